@@ -1,0 +1,218 @@
+"""The one block-by-block capture driver every data-driven stage runs on.
+
+Usage::
+
+    from calibrate.capture import run_blocks
+
+    def on_block(run):                      # called once per decoder block, in order
+        h_in = run.inputs                   # [B, L, D] per micro-batch: residual stream h_l
+        h_out = run.outputs()               # h_{l+1}, computed once and cached
+        run.forward(hooks={"mlp.down_proj": lambda i, x, y: ...})   # extra pass with hooks
+        # A stage may change run.block here (e.g. quantize it) and call run.invalidate():
+        # the driver then recomputes the outputs that the next block sees.
+
+    h_last = run_blocks(model, calib, [on_block])   # raw output of the last block (h_L)
+
+How it works: one forward of the *base* model with every decoder block swapped for a
+pass-through recorder captures the stream entering block 0 and, for every block, the
+keyword arguments the model gives it (masks, rotary embeddings — which differ per layer
+in Gemma-style models). No exception stops a forward pass. Then each block runs over the
+calibration micro-batches, stages see its inputs/outputs through callbacks and hooks,
+and the outputs become the next block's inputs. Peak memory is one block + two sets of
+activations (inputs and outputs) + whatever accumulators the stages keep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from calibrate.data import CalibSet
+from compress.arch import ArchSpec, arch_for, get_submodule
+
+HookFn = Callable[[int, torch.Tensor, torch.Tensor], None]  # (batch_index, module_input, module_output)
+
+
+def first_tensor(value: Any) -> torch.Tensor:
+    """Modules return a tensor or a tuple whose first item is the tensor (attention)."""
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(to_device(v, device) for v in value)
+    if isinstance(value, list):
+        return [to_device(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value
+
+
+class _Recorder(nn.Module):
+    """Stands in for a decoder block during input capture: records, returns input unchanged."""
+
+    def __init__(self, index: int, sink: list[list[tuple[tuple, dict]]], first: list[torch.Tensor]):
+        super().__init__()
+        self.index, self.sink, self.first = index, sink, first
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.index == 0:
+            self.first.append(hidden_states.detach())
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "layer_past")}
+        kwargs["use_cache"] = False
+        self.sink[self.index].append((args, kwargs))
+        return hidden_states
+
+
+@dataclass
+class BlockRun:
+    """One decoder block's turn in the driver. Lists are indexed by micro-batch."""
+
+    index: int
+    block: nn.Module
+    spec: ArchSpec
+    inputs: list[torch.Tensor]  # h_l: [B, L, D]
+    masks: list[torch.Tensor]  # [B, L] bool, True on real tokens
+    call_args: list[tuple[tuple, dict]]  # extra positional / keyword args per micro-batch
+    num_blocks: int
+    _outputs: list[torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_blocks - 1
+
+    def _call(self, i: int) -> torch.Tensor:
+        args, kwargs = self.call_args[i]
+        return first_tensor(self.block(self.inputs[i], *args, **kwargs))
+
+    @torch.no_grad()
+    def forward(self, hooks: dict[str, HookFn] | None = None) -> list[torch.Tensor]:
+        """Run the block over every micro-batch with forward hooks on named submodules.
+
+        ``hooks`` maps a dotted path inside the block (e.g. ``"mlp.down_proj"``) to
+        ``fn(batch_index, module_input, module_output)``. Returns the block outputs.
+        """
+        current = {"i": 0}
+        handles = []
+        for path, fn in (hooks or {}).items():
+            module = get_submodule(self.block, path)
+
+            def hook(_mod, inp, out, fn=fn):
+                fn(current["i"], first_tensor(inp) if inp else None, first_tensor(out))
+
+            handles.append(module.register_forward_hook(hook))
+        try:
+            outs = []
+            for i in range(len(self.inputs)):
+                current["i"] = i
+                outs.append(self._call(i))
+        finally:
+            for h in handles:
+                h.remove()
+        self._outputs = outs
+        return outs
+
+    def outputs(self) -> list[torch.Tensor]:
+        """h_{l+1} per micro-batch, computed once (again after :meth:`invalidate`)."""
+        if self._outputs is None:
+            self.forward()
+        return self._outputs
+
+    def invalidate(self) -> None:
+        """Call after changing the block's weights so its outputs are recomputed."""
+        self._outputs = None
+
+    def sublayer_outputs(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """(attention contribution, MLP contribution, block output) per micro-batch.
+
+        The contributions are what each sublayer adds to the residual stream, so the
+        stream entering the MLP is ``inputs[i] + attn[i]`` (sequential residual).
+        """
+        attn: list[torch.Tensor] = []
+        mlp: list[torch.Tensor] = []
+        outs = self.forward(
+            hooks={
+                self.spec.attn_out: lambda i, x, y: attn.append(y),
+                self.spec.mlp_out: lambda i, x, y: mlp.append(y),
+            }
+        )
+        return attn, mlp, outs
+
+    def flat_mask(self, i: int) -> torch.Tensor:
+        return self.masks[i].reshape(-1)
+
+
+@torch.no_grad()
+def capture_inputs(
+    model: nn.Module, calib: CalibSet, batch_size: int = 8, spec: ArchSpec | None = None
+) -> tuple[list[torch.Tensor], list[list[tuple[tuple, dict]]]]:
+    """Stream entering block 0 and each block's call arguments, per micro-batch."""
+    spec = spec or arch_for(model)
+    base = spec.base_of(model)
+    layers = spec.layers_of(model)
+    originals = list(layers)
+    sink: list[list[tuple[tuple, dict]]] = [[] for _ in originals]
+    first: list[torch.Tensor] = []
+    device = next(model.parameters()).device
+    try:
+        for i in range(len(originals)):
+            layers[i] = _Recorder(i, sink, first)
+        for ids, mask in calib.split(batch_size):
+            base(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+    finally:
+        for i, block in enumerate(originals):
+            layers[i] = block
+    return first, sink
+
+
+@torch.no_grad()
+def run_blocks(
+    model: nn.Module,
+    calib: CalibSet,
+    callbacks: Iterable[Callable[[BlockRun], None]],
+    batch_size: int = 8,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    desc: str = "blocks",
+) -> list[torch.Tensor]:
+    """Run ``callbacks`` on every decoder block in order; return the raw last-block output h_L.
+
+    ``device``: where each block runs (moved there for its turn and back). Defaults to
+    the model's device. Activations stay on that device.
+    """
+    spec = arch_for(model)
+    layers = spec.layers_of(model)
+    callbacks = list(callbacks)
+    home = next(model.parameters()).device
+    device = torch.device(device) if device is not None else home
+    hidden, call_args = capture_inputs(model, calib, batch_size, spec)
+    masks = [m.bool().to(device) for _, m in calib.split(batch_size)]
+    hidden = [h.to(device) for h in hidden]
+    bar = tqdm(range(len(layers)), desc=desc, disable=not progress, unit="block")
+    for index in bar:
+        block = layers[index]
+        if device != home:
+            block.to(device)
+        run = BlockRun(
+            index=index,
+            block=block,
+            spec=spec,
+            inputs=hidden,
+            masks=masks,
+            call_args=[to_device(a, device) for a in call_args[index]],
+            num_blocks=len(layers),
+        )
+        for callback in callbacks:
+            callback(run)
+        hidden = run.outputs()
+        if device != home:
+            block.to(home)
+        call_args[index] = []  # free this block's masks / rotary tensors early
+    return hidden

@@ -1,0 +1,124 @@
+"""The capture driver reproduces each model's own forward, block by block, for every family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from calibrate.capture import capture_inputs, run_blocks
+from calibrate.data import CalibSet
+from calibrate.stats import CosineStats, GramStats, last_token_index, last_tokens
+from compress.arch import arch_for, get_submodule
+from tests.conftest import FAMILIES, build_tiny_model
+
+
+def _reference_states(model, calib):
+    out = model(input_ids=calib.input_ids, attention_mask=calib.attention_mask, output_hidden_states=True)
+    return out.hidden_states
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_arch_table_locates_modules(family):
+    model = build_tiny_model(family)
+    spec = arch_for(model)
+    layers = spec.layers_of(model)
+    assert len(layers) == model.config.num_hidden_layers
+    block = layers[0]
+    for name, module in spec.linears(block):
+        assert hasattr(module, "weight"), name
+    for path in (spec.attn, spec.mlp, spec.attn_norm, spec.mlp_norm, spec.attn_out, spec.mlp_out, spec.down_proj):
+        get_submodule(block, path)
+    get_submodule(spec.base_of(model), spec.embed)
+    get_submodule(spec.base_of(model), spec.final_norm)
+    assert spec.post_mlp_norm == family.startswith("gemma")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_driver_matches_model_forward(family, calib):
+    model = build_tiny_model(family)
+    padded = CalibSet(calib.input_ids.clone(), calib.attention_mask.clone())
+    padded.attention_mask[1, 20:] = 0  # right padding on one row
+    padded.input_ids[1, 20:] = 0
+    ref = _reference_states(model, padded)
+    seen = []
+
+    def check(run):
+        got = torch.cat(run.inputs)
+        torch.testing.assert_close(got, ref[run.index], atol=1e-4, rtol=1e-4)
+        attn, mlp, outs = run.sublayer_outputs()
+        # What the two sublayers add to the residual stream sums to the block output.
+        summed = torch.cat([h + a + m for h, a, m in zip(run.inputs, attn, mlp)])
+        torch.testing.assert_close(summed, torch.cat(outs), atol=1e-4, rtol=1e-4)
+        seen.append(run.index)
+
+    h_last = run_blocks(model, padded, [check], batch_size=4, progress=False)
+    assert seen == list(range(model.config.num_hidden_layers))
+    # transformers 5: hidden_states[-1] is after the final norm; the driver returns the raw stream.
+    spec = arch_for(model)
+    final_norm = get_submodule(spec.base_of(model), spec.final_norm)
+    torch.testing.assert_close(final_norm(torch.cat(h_last)), ref[-1], atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_stage_can_modify_block_and_next_block_sees_it(calib):
+    model = build_tiny_model("llama")
+    spec = arch_for(model)
+    seen_inputs = {}
+
+    def zero_mlp_of_block_1(run):
+        seen_inputs[run.index] = torch.cat(run.inputs).clone()
+        if run.index == 1:
+            before = torch.cat(run.outputs()).clone()
+            get_submodule(run.block, spec.down_proj).weight.zero_()
+            run.invalidate()
+            after = torch.cat(run.outputs())
+            assert not torch.allclose(before, after)
+            seen_inputs["after1"] = after
+
+    run_blocks(model, calib, [zero_mlp_of_block_1], batch_size=3, progress=False)
+    torch.testing.assert_close(seen_inputs[2], seen_inputs["after1"])
+
+
+def test_capture_records_per_layer_kwargs_for_gemma3(calib):
+    """Gemma3 gives local and global layers different masks and rotary tables."""
+    model = build_tiny_model("gemma3_text")
+    first, call_args = capture_inputs(model, calib, batch_size=6)
+    types = model.config.layer_types
+    assert len(set(types)) == 2
+    local = call_args[types.index("sliding_attention")][0][1]
+    glob = call_args[types.index("full_attention")][0][1]
+    assert not torch.equal(local["position_embeddings"][0], glob["position_embeddings"][0])
+    assert first[0].shape == (6, calib.seq_len, model.config.hidden_size)
+
+
+def test_hook_forward_and_gram_accumulator(calib):
+    model = build_tiny_model("llama")
+    grams = {}
+
+    def hessians(run):
+        g = GramStats(dim_x=model.config.intermediate_size)
+        run.forward(hooks={"mlp.down_proj": lambda i, x, y: g.update(x, mask=run.masks[i])})
+        grams[run.index] = g
+
+    run_blocks(model, calib, [hessians], batch_size=4, progress=False)
+    g = grams[0]
+    assert g.count == int(calib.attention_mask.sum())
+    assert torch.allclose(g.xtx, g.xtx.T)
+    assert torch.linalg.eigvalsh(g.xtx).min() > -1e-6
+    assert g.hessian().dtype == torch.float32
+
+
+def test_stats_mask_and_last_token():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    assert last_token_index(mask).tolist() == [2, 3]
+    h = torch.arange(2 * 4 * 3, dtype=torch.float32).reshape(2, 4, 3)
+    assert torch.equal(last_tokens(h, mask), torch.stack([h[0, 2], h[1, 3]]))
+    stats = CosineStats()
+    a = torch.randn(2, 4, 3)
+    stats.update(a, a, mask)
+    assert stats.count == 7
+    assert abs(stats.mean_cosine() - 1) < 1e-9 and stats.mean_angle() < 1e-4
+    stats2 = CosineStats()
+    stats2.update(a, -a, mask)
+    assert abs(stats2.mean_angle() - 1) < 1e-6
