@@ -1,0 +1,330 @@
+"""GPTQ and round-to-nearest weight quantization: plain tensor cores.
+
+Run it on any weight and Hessian::
+
+    from compress.quant.gptq import gptq_quantize, hessian_update
+    H, n = hessian_update(None, 0, x)            # x: [tokens, in] layer inputs
+    res = gptq_quantize(linear.weight, H, bits=4, group_size=128)
+    linear.weight.data = res.dequant.to(linear.weight.dtype)
+
+Nothing here knows of models, hooks or files. The quantizer follows the GPTQ v1
+convention (the one GPTQModel, vLLM and transformers load): per output row and
+group an integer ``q`` in [0, 2^bits - 1], an integer zero point in the same
+range (``2^(bits-1)`` when symmetric) and a scale, ``w ≈ scale * (q - zero)``.
+Scales are rounded to float16-representable values because that is how they are
+stored, so ``dequant`` is exactly what a packed checkpoint decodes to.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from compress.errors import LayercutError
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+_DAMP_TRIES = 5  # damp, 10·damp, 100·damp, ... before giving up
+_FP16_MIN_SUBNORMAL = 2.0**-24
+
+
+@dataclass
+class QuantResult:
+    """A quantized weight [out, in] in GPTQ v1 layout.
+
+    ``dequant[o, c] == scales[g_idx[c], o] * (q[o, c] - zeros[g_idx[c], o])`` holds exactly.
+    """
+
+    q: Tensor  # int32 [out, in], values in [0, 2^bits - 1]
+    scales: Tensor  # float32 [groups, out], float16-representable
+    zeros: Tensor  # int32 [groups, out], values in [0, 2^bits - 1]
+    g_idx: Tensor  # int32 [in], group of each (original) input column
+    dequant: Tensor  # float32 [out, in]
+    loss: float  # ½ tr(ΔW (H + λI) ΔWᵀ), the GPTQ objective (NaN for RTN without H)
+    damp_used: float  # relative damping actually applied (0 for RTN)
+    bits: int
+    group_size: int  # as requested (-1: one group spanning all of `in`)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_args(W: Tensor, bits: int, group_size: int) -> int:
+    """Validate W / bits / group size; return the effective group size (columns per group)."""
+    if W.dim() != 2:
+        raise LayercutError(f"quantize: weight must be 2-D [out, in], got shape {tuple(W.shape)}")
+    if W.numel() == 0:
+        raise LayercutError(f"quantize: weight is empty, shape {tuple(W.shape)}")
+    if bits not in SUPPORTED_BITS:
+        raise LayercutError(f"quantize: bits must be one of {SUPPORTED_BITS}, got {bits}")
+    if not torch.isfinite(W).all():
+        raise LayercutError("quantize: weight contains NaN or Inf")
+    in_features = W.shape[1]
+    if group_size == -1:
+        return in_features
+    if group_size <= 0 or in_features % group_size != 0:
+        raise LayercutError(
+            f"quantize: group_size must be -1 or a positive divisor of in_features={in_features}, "
+            f"got {group_size}"
+        )
+    return group_size
+
+
+# ----------------------------------------------------------------------- quantizer
+
+
+def _minmax_params(x: Tensor, bits: int, sym: bool) -> tuple[Tensor, Tensor]:
+    """Min-max scale and integer zero point per row of ``x`` [out, k] → ([out], [out]).
+
+    As in GPTQ, the range always contains 0 (so 0 is exactly representable). Symmetric
+    uses the range [-m, m] with m = max|x| and zero = 2^(bits-1). Two departures from the
+    reference code: a non-negative row still gets the full symmetric range, and an
+    asymmetric zero point is kept ≥ 1 (a row whose zero would round to 0 is given the
+    range [-scale, max] instead), because zero 0 has no unambiguous GPTQ v1 encoding
+    (``zero - 1`` stored) — GPTQModel and vLLM would decode it differently.
+    """
+    maxq = 2**bits - 1
+    xmin = x.min(dim=1).values.clamp(max=0)
+    xmax = x.max(dim=1).values.clamp(min=0)
+    if sym:
+        xmax = torch.maximum(-xmin, xmax)
+        xmin = -xmax
+    flat = (xmin == 0) & (xmax == 0)
+    xmin = torch.where(flat, torch.full_like(xmin, -1.0), xmin)
+    xmax = torch.where(flat, torch.ones_like(xmax), xmax)
+    # float16 is the storage dtype of scales: round now so dequant matches the checkpoint
+    scale = ((xmax - xmin) / maxq).clamp(min=_FP16_MIN_SUBNORMAL).half().float()
+    if sym:
+        return scale, torch.full_like(scale, float(2 ** (bits - 1)))
+    zero = torch.round(-xmin / scale).clamp(0, maxq)
+    low = zero < 1  # range ⊂ [≈0, max]: use levels -1 .. maxq-1 of a slightly wider step
+    if low.any():
+        wider = (xmax / (maxq - 1)).clamp(min=_FP16_MIN_SUBNORMAL).half().float()
+        scale = torch.where(low, wider, scale)
+        zero = torch.where(low, torch.ones_like(zero), zero)
+    return scale, zero
+
+
+def _quant(x: Tensor, scale: Tensor, zero: Tensor, maxq: int) -> Tensor:
+    """Integer codes (as float) of ``x`` [out, ...] with ``scale``/``zero`` broadcastable."""
+    return torch.clamp(torch.round(x / scale) + zero, 0, maxq)
+
+
+# ------------------------------------------------------------------------- Hessian
+
+
+def hessian_update(
+    H: Tensor | None,
+    n_seen: int,
+    x: Tensor,
+    mask: Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[Tensor, int]:
+    """Fold a batch of layer inputs into the running GPTQ Hessian H = 2/N Σ_t x_t x_tᵀ.
+
+    ``x``: [..., in] inputs (any leading dims, e.g. [batch, seq, in]); ``mask``: bool/0-1
+    tensor of x's leading shape, True for real tokens (padding excluded). ``H``: [in, in]
+    running mean over the ``n_seen`` tokens so far (None to start; created in ``dtype``,
+    an existing H keeps its own dtype). Returns (H, N) with N = n_seen + tokens used.
+    """
+    x = x.reshape(-1, x.shape[-1])
+    if mask is not None:
+        x = x[mask.reshape(-1).bool()]
+    if H is None:
+        H = torch.zeros(x.shape[1], x.shape[1], dtype=dtype, device=x.device)
+    elif H.shape != (x.shape[1], x.shape[1]):
+        raise LayercutError(f"hessian_update: H is {tuple(H.shape)} but inputs have {x.shape[1]} features")
+    m = x.shape[0]
+    if m == 0:
+        return H, n_seen
+    n = n_seen + m
+    xd = x.to(H.dtype)
+    H = H * (n_seen / n) + (xd.T @ xd) * (2.0 / n)  # [in, in]
+    return H, n
+
+
+def _inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor, float]:
+    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp·mean(diag H), H float64 [in, in].
+
+    If a factorisation fails, damp is multiplied by 10 (``_DAMP_TRIES`` tries in all).
+    """
+    mean_diag = H.diagonal().mean()
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    tries = [damp * 10**k for k in range(_DAMP_TRIES)] if damp > 0 else [0.0, 1e-4, 1e-3, 1e-2, 1e-1]
+    for d in tries:
+        L, info = torch.linalg.cholesky_ex(H + (d * mean_diag) * eye)
+        if int(info) != 0:
+            continue
+        Hinv = torch.cholesky_inverse(L)
+        U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+        if int(info) == 0 and torch.isfinite(U).all():
+            return U, d
+    raise LayercutError(
+        f"gptq: Hessian is not positive definite even with damp={tries[-1]:g} "
+        f"(tried {', '.join(f'{t:g}' for t in tries)}); check the calibration inputs"
+    )
+
+
+# ---------------------------------------------------------------------------- GPTQ
+
+
+def gptq_quantize(
+    W: Tensor,
+    H: Tensor,
+    bits: int,
+    group_size: int = -1,
+    sym: bool = False,
+    act_order: bool = False,
+    static_groups: bool = False,
+    damp: float = 0.01,
+    block_size: int = 128,
+) -> QuantResult:
+    """Quantize ``W`` [out, in] with GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training
+    Quantization for Generative Pre-trained Transformers", Algorithm 1).
+
+    ``H`` [in, in] is the layer Hessian 2/N Σ x xᵀ of its inputs (see ``hessian_update``).
+    Columns are quantized one at a time (in descending diag(H) order with ``act_order``),
+    the error of each being spread over the not yet quantized columns through the upper
+    Cholesky factor of (H + λI)⁻¹, λ = damp·mean(diag H) (raised ×10 while Cholesky fails).
+    Updates are applied lazily in blocks of ``block_size`` columns. Dead inputs
+    (H_ii == 0) get H_ii = 1 and a zero weight. Group parameters (min-max per output row
+    and group of ``group_size`` columns) are computed from the error-updated
+    weights when a group starts (the reference convention: earlier blocks' updates included,
+    the current block's not), or with ``static_groups`` all up front from the original
+    weight in the original column order (so groups stay contiguous under act-order).
+
+    ``loss`` is Σ (w - q)² / (2 [U]_jj²) over all quantized entries, which equals
+    ½ tr(ΔW (H + λI) ΔWᵀ) ≈ mean over tokens of ‖(W - Ŵ) x‖² — the layer's output error.
+    Computation is float32, the Hessian inverse float64. Returns a ``QuantResult``.
+    """
+    gs = _check_args(W, bits, group_size)
+    out_f, in_f = W.shape
+    if H.shape != (in_f, in_f):
+        raise LayercutError(f"gptq: H must be [{in_f}, {in_f}] for a weight {tuple(W.shape)}, got {tuple(H.shape)}")
+    if not torch.isfinite(H).all():
+        raise LayercutError("gptq: Hessian contains NaN or Inf")
+    if block_size <= 0:
+        raise LayercutError(f"gptq: block_size must be positive, got {block_size}")
+    if not (damp >= 0 and math.isfinite(damp)):
+        raise LayercutError(f"gptq: damp must be a finite non-negative number, got {damp}")
+
+    maxq = 2**bits - 1
+    n_groups = in_f // gs
+    W = W.detach().to(torch.float32).clone()  # [out, in]
+    H = H.detach().to(device=W.device, dtype=torch.float64).clone()  # [in, in]
+    dead = H.diagonal() == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+
+    scales = torch.zeros(n_groups, out_f, dtype=torch.float32, device=W.device)  # [groups, out]
+    zeros = torch.zeros(n_groups, out_f, dtype=torch.float32, device=W.device)
+    if static_groups:
+        for g in range(n_groups):
+            scales[g], zeros[g] = _minmax_params(W[:, g * gs : (g + 1) * gs], bits, sym)
+
+    perm = None
+    if act_order:
+        perm = torch.argsort(H.diagonal(), descending=True)
+        W = W[:, perm]
+        H = H[perm][:, perm]
+    # group of each column in processing order
+    orig_col = perm if perm is not None else torch.arange(in_f, device=W.device)
+    col_group = (orig_col // gs) if static_groups else torch.arange(in_f, device=W.device) // gs
+    col_group_list = col_group.tolist()
+
+    Hinv64, damp_used = _inverse_cholesky(H, damp)
+    del H
+    Hinv = Hinv64.to(torch.float32)  # [in, in] upper triangular
+    del Hinv64
+
+    Q = torch.zeros_like(W)  # integer codes as float, processing order
+    loss = torch.zeros((), dtype=torch.float64, device=W.device)
+    for i1 in range(0, in_f, block_size):
+        i2 = min(i1 + block_size, in_f)
+        W1 = W[:, i1:i2].clone()  # [out, blk]
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            g = col_group_list[col]
+            if not static_groups and col % gs == 0:
+                # as in the reference: W holds earlier blocks' updates, not this block's
+                # own (W1) — measured a little better than the fully updated weights
+                scales[g], zeros[g] = _minmax_params(W[:, col : col + gs], bits, sym)
+            w = W1[:, i]  # [out]
+            d = Hinv1[i, i]
+            q = _quant(w, scales[g], zeros[g], maxq)
+            Q[:, col] = q
+            err = (w - scales[g] * (q - zeros[g])) / d
+            loss += (err.double().square().sum()) / 2
+            W1[:, i:].addr_(err, Hinv1[i, i:], alpha=-1)  # OBS update of the block's remaining columns
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # lazy batch update of the remaining columns
+
+    if perm is not None:
+        invperm = torch.argsort(perm)
+        Q = Q[:, invperm]
+        g_idx = col_group[invperm]
+    else:
+        g_idx = col_group
+    return _finish(Q, scales, zeros, g_idx, float(loss), damp_used, bits, group_size)
+
+
+def _finish(
+    Q: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor, loss: float, damp_used: float, bits: int, group_size: int
+) -> QuantResult:
+    """Assemble a QuantResult; ``dequant`` is recomputed from the integer codes."""
+    g_idx = g_idx.to(torch.int64)
+    s = scales[g_idx].T  # [out, in]
+    z = zeros[g_idx].T
+    dequant = s * (Q - z)
+    return QuantResult(
+        q=Q.to(torch.int32),
+        scales=scales,
+        zeros=zeros.to(torch.int32),
+        g_idx=g_idx.to(torch.int32),
+        dequant=dequant,
+        loss=loss,
+        damp_used=damp_used,
+        bits=bits,
+        group_size=group_size,
+    )
+
+
+# ----------------------------------------------------------------------------- RTN
+
+
+def rtn_quantize(
+    W: Tensor, bits: int, group_size: int = -1, sym: bool = False, H: Tensor | None = None
+) -> QuantResult:
+    """Round-to-nearest baseline with the same min-max quantizer and layout as GPTQ.
+
+    ``W`` [out, in]. If ``H`` [in, in] is given, ``loss`` = ½ tr(ΔW H ΔWᵀ) (the GPTQ
+    objective, undamped) so the two are comparable; otherwise NaN.
+    """
+    gs = _check_args(W, bits, group_size)
+    W = W.detach().to(torch.float32)
+    out_f, in_f = W.shape
+    n_groups = in_f // gs
+    Wg = W.reshape(out_f, n_groups, gs).transpose(0, 1)  # [groups, out, gs]
+    scales = torch.empty(n_groups, out_f, dtype=torch.float32, device=W.device)
+    zeros = torch.empty_like(scales)
+    for g in range(n_groups):
+        scales[g], zeros[g] = _minmax_params(Wg[g], bits, sym)
+    q = _quant(Wg, scales.unsqueeze(-1), zeros.unsqueeze(-1), 2**bits - 1)  # [groups, out, gs]
+    Q = q.transpose(0, 1).reshape(out_f, in_f)
+    g_idx = torch.arange(in_f, device=W.device) // gs
+    res = _finish(Q, scales, zeros, g_idx, float("nan"), 0.0, bits, group_size)
+    if H is not None:
+        if H.shape != (in_f, in_f) or not torch.isfinite(H).all():
+            raise LayercutError(f"rtn: H must be a finite [{in_f}, {in_f}] matrix, got {tuple(H.shape)}")
+        res.loss = layer_loss(W, res.dequant, H)
+    return res
+
+
+def layer_loss(W: Tensor, W_hat: Tensor, H: Tensor) -> float:
+    """½ tr((Ŵ - W) H (Ŵ - W)ᵀ) in float64 — the GPTQ objective for W, Ŵ [out, in], H [in, in]."""
+    D = (W_hat.to(torch.float64) - W.to(torch.float64))  # [out, in]
+    return float(((D @ H.to(device=D.device, dtype=torch.float64)) * D).sum() / 2)
