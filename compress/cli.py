@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import os
 import sys
 
@@ -22,7 +23,14 @@ from compress.errors import LayercutError
 
 # Subcommand modules, in the order `layercut --help` lists them.
 COMMANDS = [
+    "compress.commands.run",
+    "compress.commands.score",
+    "compress.commands.prune",
+    "compress.commands.heal",
+    "compress.commands.quantize",
     "compress.commands.eval",
+    "compress.commands.export",
+    "compress.commands.push",
 ]
 
 
@@ -48,8 +56,15 @@ def emit(result: dict, as_json: bool) -> None:
             print(f"{key:<{width}}  {value}")
 
 
+# Third-party loggers that print noise unrelated to the user's command (torchao, pulled in
+# by gptqmodel, warns about CUDA-only .so files it cannot load on a CPU machine).
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,224 @@
+"""Depth compression on SmolLM2-135M: drop, linear replace (ReplaceMe), fuse (LaCo), attention drop.
+
+Run (CPU, ~25–45 min on a loaded 2-core machine)::
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/depth.py --samples 32 --seq-len 256 --max-tokens 4096
+
+Prints a table, writes ``benchmarks/results/depth.json`` and ``docs/results-depth.md``.
+Held-out text: ``bundled:brown-heldout``, ctx 512, the first ``--max-tokens`` tokens.
+Calibration: ``bundled:brown-calib``, ``--samples`` × ``--seq-len`` tokens.
+
+Passes of the capture driver are shared where the API allows it: one scoring pass
+(angular, block influence, attention cosine), one fitting pass for every map / coefficient
+fitted on the original stream (several callbacks in one ``run_blocks``), one pass for the
+sequential-stream maps. "step s" is the transform's own time (fits inside the callbacks +
+merge + removal); the shared pass times are listed separately. KL(original ‖ pruned) is
+computed against cached float16 logits of the original model (same windows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from calibrate.capture import run_blocks  # noqa: E402
+from calibrate.data import calibration_batch  # noqa: E402
+from compress.arch import arch_for  # noqa: E402
+from compress.depth.blocks import drop_blocks  # noqa: E402
+from compress.depth.cores import runs_of  # noqa: E402
+from compress.depth.fuse import CoeffFitter, apply_fuse, plan_groups  # noqa: E402
+from compress.depth.replace import SpanFitter, merge_maps, plan_spans  # noqa: E402
+from compress.depth.sublayers import drop_sublayers  # noqa: E402
+from compress.evaluate import count_params, evaluate  # noqa: E402
+from compress.models import load_model, resolve_model  # noqa: E402
+from compress.select import compute_scores, gate_norm_scores, select_blocks, select_sublayers  # noqa: E402
+from compress.select.cores import lowest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class CachedLogits(nn.Module):
+    """Stands in for the original model as evaluate()'s reference: logits computed once, kept in fp16."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.anchor = nn.Parameter(torch.zeros(1), requires_grad=False)  # evaluate() asks for a device
+        self.store: dict[bytes, torch.Tensor] = {}
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False):
+        key = input_ids.cpu().numpy().tobytes()
+        if key not in self.store:
+            self.store[key] = self.model(input_ids=input_ids, use_cache=False).logits.half()
+        return SimpleNamespace(logits=self.store[key].float())
+
+
+def span_text(layers: list[int]) -> str:
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs_of(layers))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="bundled:smollm2-135m")
+    ap.add_argument("--drop", type=int, default=8)
+    ap.add_argument("--attn-drops", default="8,15")
+    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--json-out", default=str(ROOT / "benchmarks/results/depth.json"))
+    ap.add_argument("--md-out", default=str(ROOT / "docs/results-depth.md"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    wall0 = time.perf_counter()
+    model_dir = resolve_model(args.model)
+    orig, tok = load_model(model_dir)
+    calib = calibration_batch(tok, "bundled:brown-calib", samples=args.samples, seq_len=args.seq_len)
+    n = args.drop
+    passes: dict[str, float] = {}
+    rows: list[dict] = []
+
+    ref = CachedLogits(orig)
+    base = evaluate(ref, tok, ctx=args.ctx, max_tokens=args.max_tokens, progress=False)
+    base.params = count_params(orig)
+    rows.append({"row": "original", "removed": "", "ppl": base.ppl, "kl": 0.0, "params": base.params,
+                 "tokens_per_s": base.tokens_per_s, "step_s": 0.0})
+    print(f"original ppl {base.ppl:.2f} ({base.tokens} tokens)", flush=True)
+
+    # 1. scores: one driver pass
+    t0 = time.perf_counter()
+    scores = compute_scores(orig, calib, span=n, methods=["angular", "block-influence", "attn-cosine"], progress=False)
+    passes["scores (angular, BI, attn-cosine)"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    gate = gate_norm_scores(model_dir)
+    passes["gate-norm (from safetensors)"] = time.perf_counter() - t0
+    angular = select_blocks(scores, n, "angular")
+    bi = select_blocks(scores, n, "block-influence")
+    bi_repl = lowest([float("inf")] + scores.block_influence[1:], n)  # replace needs block 0 kept
+    print(f"angular span {span_text(angular)}; BI {span_text(bi)}", flush=True)
+
+    # 2. every original-stream fit in ONE driver pass
+    total = int(calib.attention_mask.sum())
+    spec_blocks = arch_for(orig).layers_of(orig)
+    L = len(spec_blocks)
+    fitters = {
+        "angular+lstsq": SpanFitter(plan_spans(angular, L), "lstsq", total_tokens=total),
+        "angular+cosine": SpanFitter(plan_spans(angular, L), "cosine", total_tokens=total),
+        "angular+cosine (paper's simplified objective)": SpanFitter(plan_spans(angular, L), "cosine",
+                                                                    total_tokens=total, cosine_target="residual"),
+        "BI+lstsq": SpanFitter(plan_spans(bi_repl, L), "lstsq", total_tokens=total),
+        "BI+cosine": SpanFitter(plan_spans(bi_repl, L), "cosine", total_tokens=total),
+    }
+    fuse_groups = plan_groups(angular, L)
+    coeff = CoeffFitter(fuse_groups, spec_blocks, arch_for(orig), fit_samples=8, steps=25, lr=0.05)
+    t0 = time.perf_counter()
+    run_blocks(orig, calib, [*fitters.values(), coeff], progress=False, desc="fit")
+    passes["fit pass (5 span fitters + LaCo coefficients)"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    seq = SpanFitter(plan_spans(bi_repl, L), "lstsq", stream="sequential", total_tokens=total)
+    run_blocks(orig, calib, [seq], progress=False, desc="fit-seq")
+    passes["fit pass (sequential stream, lstsq)"] = time.perf_counter() - t0
+    fitters["BI+lstsq (sequential stream)"] = seq
+    t0 = time.perf_counter()
+    seq_cos = SpanFitter(plan_spans(bi_repl, L), "cosine", stream="sequential", total_tokens=total)
+    run_blocks(orig, calib, [seq_cos], progress=False, desc="fit-seq-cos")
+    passes["fit pass (sequential stream, cosine)"] = time.perf_counter() - t0
+    fitters["BI+cosine (sequential stream)"] = seq_cos
+
+    def add(name: str, layers: list[int], transform, extra: dict | None = None) -> None:
+        model = copy.deepcopy(orig)
+        t = time.perf_counter()
+        model = transform(model)
+        step = time.perf_counter() - t + (extra or {}).pop("fit_s", 0.0)
+        res = evaluate(model, tok, ctx=args.ctx, max_tokens=args.max_tokens, reference=ref, progress=False)
+        rows.append({"row": name, "removed": span_text(layers), "ppl": res.ppl, "kl": res.kl, "params": res.params,
+                     "tokens_per_s": res.tokens_per_s, "step_s": step, **(extra or {})})
+        print(f"{name:<32} {span_text(layers):<14} ppl {res.ppl:9.2f}  kl {res.kl:.4f}  step {step:.1f}s", flush=True)
+        del model
+
+    def replaced(fits):
+        def run(model):
+            merge_maps(model, fits)
+            return drop_blocks(model, [k for f in fits for k in range(f.first, f.last + 1)])
+        return run
+
+    add(f"angular drop (UIDL), {n}/{L}", angular, lambda m: drop_blocks(m, angular))
+    add(f"block-influence drop, {n}/{L}", bi, lambda m: drop_blocks(m, bi))
+    if bi_repl != bi:
+        add(f"BI drop, block 0 kept, {n}/{L}", bi_repl, lambda m: drop_blocks(m, bi_repl))
+    for name, fitter in fitters.items():
+        fits = fitter.results()
+        layers = [k for f in fits for k in range(f.first, f.last + 1)]
+        add(name, layers, replaced(fits), {"fit_s": sum(f.seconds for f in fits),
+                                           "spans": [f.to_dict() for f in fits]})
+    laco = [copy.deepcopy(g) for g in fuse_groups]
+    for g in laco:
+        g.coeffs = {}
+    def fused(groups):
+        def run(model):
+            apply_fuse(model, copy.deepcopy(groups))
+            return model
+        return run
+
+    add("fuse (LaCo, c=1), angular span", angular, fused(laco))
+    add("fuse (calibrated c), angular span", angular, fused(fuse_groups),
+        {"fit_s": sum(g.seconds for g in fuse_groups), "groups": [g.to_dict() for g in fuse_groups]})
+    for k in (int(x) for x in args.attn_drops.split(",")):
+        by_gate = select_sublayers(model_dir, k, "gate-norm", "attention")
+        by_cos = select_sublayers(scores, k, "attn-cosine", "attention")
+        add(f"attention drop {k}, gate-norm", by_gate, lambda m, s=by_gate: drop_sublayers(m, s, "attention"))
+        add(f"attention drop {k}, attn-cosine", by_cos, lambda m, s=by_cos: drop_sublayers(m, s, "attention"))
+
+    wall = time.perf_counter() - wall0
+    result = {
+        "model": args.model, "text": "bundled:brown-heldout", "ctx": args.ctx, "eval_tokens": base.tokens,
+        "calibration": {"source": "bundled:brown-calib", "samples": args.samples, "seq_len": args.seq_len},
+        "machine": f"CPU, {torch.get_num_threads()} threads (shared, loaded)", "passes_s": passes,
+        "wall_s": wall, "scores": {"block_influence": scores.block_influence, "angular": scores.angular,
+                                   "attn_importance": scores.attn_importance, "gate_norm": gate},
+        "rows": rows,
+        "command": f"HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/depth.py --samples {args.samples} "
+                   f"--seq-len {args.seq_len} --max-tokens {args.max_tokens}",
+    }
+    Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json_out).write_text(json.dumps(result, indent=2, default=str))
+    table = markdown(result)
+    Path(args.md_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.md_out).write_text(table)
+    print(table)
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# Depth compression results (SmolLM2-135M)",
+        "",
+        f"Model `{result['model']}` (30 blocks), held-out `{result['text']}`, ctx {result['ctx']}, "
+        f"{result['eval_tokens']} scored tokens; calibration {result['calibration']['samples']} × "
+        f"{result['calibration']['seq_len']} tokens of `bundled:brown-calib`; {result['machine']}. "
+        "No healing. KL = KL(original ‖ pruned) per token.",
+        "",
+        "| row | removed blocks | ppl | KL | params (M) | tokens/s | step s |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(f"| {r['row']} | {r['removed']} | {r['ppl']:.2f} | {r['kl']:.4f} | {r['params'] / 1e6:.1f} | "
+                     f"{r['tokens_per_s']:.0f} | {r['step_s']:.1f} |")
+    lines += ["", "Shared driver passes (wall s): " + "; ".join(f"{k}: {v:.0f}" for k, v in result["passes_s"].items()),
+              "", "Regenerate with:", "", f"    {result['command']}", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

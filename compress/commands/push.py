@@ -1,0 +1,43 @@
+"""``layercut push OUT --repo-id ORG/NAME [--private] [--revision R] [--dry-run] [--json]``.
+
+Examples::
+
+    layercut push runs/demo --repo-id my-org/smollm2-demo --dry-run   # prints every file that would go up
+    HF_TOKEN=... layercut push runs/demo --repo-id my-org/smollm2-demo --private
+
+OUT is an exported checkpoint or a layercut run directory (its final model is pushed).
+The token is read by huggingface_hub from the standard places and never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from export.push import push
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("push", help="upload an exported checkpoint to the Hugging Face Hub")
+    p.add_argument("folder", help="exported checkpoint directory, or a layercut run directory")
+    p.add_argument("--repo-id", required=True, help="ORG/NAME on the Hub")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--revision", help="branch to push to (created if missing; default: main)")
+    p.add_argument("--commit-message", default="Upload compressed model (layercut)")
+    p.add_argument("--dry-run", action="store_true", help="list exactly what would be uploaded; upload nothing")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> dict:
+    plan = push(args.folder, args.repo_id, private=args.private, revision=args.revision,
+                dry_run=args.dry_run, commit_message=args.commit_message)
+    if not args.json:
+        verb = "would upload" if plan.dry_run else "uploaded"
+        print(f"{verb} {len(plan.files)} files ({plan.bytes / 2**20:.1f} MiB) from {plan.folder} "
+              f"to {plan.repo_id}{'@' + plan.revision if plan.revision else ''}", file=sys.stderr)
+        for name in plan.files:
+            print(name)
+        return {"repo_id": plan.repo_id, "files": len(plan.files), "bytes": plan.bytes, "dry_run": plan.dry_run,
+                **({"commit_url": plan.commit_url} if plan.commit_url else {})}
+    return plan.to_dict()

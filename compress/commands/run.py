@@ -1,0 +1,41 @@
+"""``layercut run RECIPE.yaml -o OUT [--resume] [--json]``: every stage of a recipe, resumable.
+
+Examples::
+
+    layercut run recipes/smollm2-demo.yaml -o runs/demo
+    layercut run recipes/smollm2-demo.yaml -o runs/demo --resume    # after a crash or Ctrl-C
+
+Exit codes: 0 done, 2 bad input (one ``error:`` line, nothing written), 3 an eval stage's
+quality gate failed (everything written; ``report.json`` says which gate), 130 stopped by
+Ctrl-C or SIGTERM (the unfinished stage's temp folder removed; ``--resume`` continues).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+
+from compress.pipeline import run_recipe
+from compress.recipe import load_recipe
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run a recipe (score, prune, heal, quantize, export, eval) stage by stage")
+    p.add_argument("recipe", help="recipe YAML (see recipes/)")
+    p.add_argument("-o", "--output", required=True, help="run directory (one folder per stage)")
+    p.add_argument("--resume", action="store_true", help="continue the run in OUTPUT from its last finished stage")
+    p.add_argument("--json", action="store_true", help="print the run report as one JSON line (no progress bars)")
+    p.set_defaults(handler=run)
+
+
+def _terminate(signum, frame):  # SIGTERM (CI cancel, kill) -> the same clean stop as Ctrl-C
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> dict:
+    signal.signal(signal.SIGTERM, _terminate)
+    recipe = load_recipe(args.recipe)
+    report = run_recipe(recipe, args.output, resume=args.resume, progress=not args.json)
+    if args.json:
+        return report
+    return {"output": args.output, "final_model": report["final_model"], "total_wall_s": report["total_wall_s"]}

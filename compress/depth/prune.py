@@ -1,0 +1,252 @@
+"""The depth stage: pick layers, remove them (drop / linear replace / fuse), write a checkpoint.
+
+Usage::
+
+    from compress.depth.prune import prune
+    report = prune("bundled:smollm2-135m", "out/cut8", drop=8, select="block-influence", replace="lstsq")
+
+    layercut prune bundled:smollm2-135m -o out/cut8 --drop 8 --select block-influence --replace lstsq
+    layercut prune MODEL -o OUT --layers 12-17,25,26                       # explicit blocks
+    layercut prune MODEL -o OUT --drop 8 --what attention --select gate-norm
+
+Every argument is validated before any work, and the output directory appears only when
+complete (``export.checkpoint.atomic_dir``). Besides the weights it holds
+``layercut_prune.json``: which layers (old numbering), how they were chosen (with the
+scores), the transform and its per-span fit statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from torch import nn
+
+from compress.errors import LayercutError
+
+PRUNE_VERSION = 1
+WHATS = ("block", "attention", "mlp")
+REPLACES = ("none", "lstsq", "cosine")
+SELECT_FOR = {
+    "block": ("angular", "angular-all", "block-influence"),
+    "attention": ("attn-cosine", "gate-norm", "cosine"),
+    "mlp": ("mlp-cosine", "cosine"),
+}
+
+
+def parse_layers(text: str | Sequence[int] | None) -> list[int] | None:
+    """``"3,4,5"`` or ``"12-17,25"`` -> sorted distinct ints; None stays None."""
+    if text is None or not isinstance(text, str):
+        return None if text is None else sorted(set(int(i) for i in text))
+    out: set[int] = set()
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            if "-" in part[1:]:
+                lo, hi = part.split("-", 1)
+                if int(hi) < int(lo):
+                    raise ValueError(part)
+                out.update(range(int(lo), int(hi) + 1))
+            else:
+                out.add(int(part))
+    except ValueError as exc:
+        raise LayercutError(f"cannot parse --layers '{text}': use a list like 3,4,5 or 12-17,25") from exc
+    if not out:
+        raise LayercutError("--layers is empty")
+    return sorted(out)
+
+
+def check_request(
+    what: str, drop: int | None, select: str | None, layers: list[int] | None, replace: str, fuse: bool,
+    fuse_calibrate: bool = False,
+) -> None:
+    """Argument checks that need no model."""
+    if fuse_calibrate and not fuse:
+        raise LayercutError("--fuse-calibrate needs --fuse")
+    if what not in WHATS:
+        raise LayercutError(f"unknown --what '{what}' (choose from {', '.join(WHATS)})")
+    if replace not in REPLACES:
+        raise LayercutError(f"unknown --replace '{replace}' (choose from {', '.join(REPLACES)})")
+    if replace != "none" and fuse:
+        raise LayercutError("--replace and --fuse are alternatives: pick one")
+    if what != "block" and (replace != "none" or fuse):
+        raise LayercutError("--replace and --fuse apply to whole blocks (--what block)")
+    if (select is None) == (layers is None):
+        raise LayercutError("give exactly one of --select METHOD or --layers LIST")
+    if select is not None:
+        if select not in SELECT_FOR[what]:
+            raise LayercutError(f"unknown selection method '{select}' for --what {what} "
+                                f"(choose from {', '.join(SELECT_FOR[what])})")
+        if drop is None:
+            raise LayercutError("--select needs --drop N")
+    if drop is not None and drop < 1:
+        raise LayercutError(f"--drop must be at least 1 (got {drop})")
+    if layers is not None and drop is not None and drop != len(layers):
+        raise LayercutError(f"--drop {drop} disagrees with --layers ({len(layers)} layers)")
+
+
+def check_against_model(model: nn.Module, what: str, count: int, layers: list[int] | None, replace: str) -> int:
+    """Checks that need the model; returns its layer count."""
+    from compress.arch import arch_for
+    from compress.depth.blocks import check_block_drop_supported, validate_layers
+    from compress.depth.replace import check_replace_supported
+    from compress.depth.sublayers import sublayer_family
+
+    num_layers = len(arch_for(model).layers_of(model))
+    if count >= num_layers:
+        raise LayercutError(f"cannot remove {count} {what}{'s' if what == 'block' else ' sublayers'} of a "
+                            f"{num_layers}-layer model: at least one must remain")
+    if layers is not None:
+        validate_layers(layers, num_layers, what)
+    if what == "block":
+        check_block_drop_supported(model)
+    else:
+        sublayer_family(model)
+    if replace != "none":
+        check_replace_supported(model)
+        if layers is not None and 0 in layers:
+            raise LayercutError("--replace needs block 0 kept: its down_proj would absorb no map")
+    return num_layers
+
+
+def exclude_first_block(scores):
+    """A copy of block scores in which block 0 cannot be chosen (no earlier block to take a map)."""
+    import copy
+
+    out = copy.deepcopy(scores)
+    for name in ("block_influence", "angular", "angular_all"):
+        values = getattr(out, name)
+        if values:
+            values[0] = float("inf")
+    for table in (out.angular_spans or {}).values():
+        table[0] = float("inf")
+    return out
+
+
+def choose_layers(model, model_dir: Path, what: str, drop: int, select: str, calib, batch_size: int,
+                  progress: bool, keep_first: bool = False) -> tuple[list[int], dict | None]:
+    """Run the selection API; returns (layers, scores as a dict).
+
+    ``keep_first``: never choose block 0 (linear replacement folds each map into the block
+    before its span).
+    """
+    from compress.select import compute_scores, select_blocks, select_sublayers
+
+    if select == "gate-norm":
+        from compress.select import gate_norm_scores
+
+        scores = gate_norm_scores(model_dir)
+        return select_sublayers(model_dir, drop, "gate-norm", "attention"), {"gate_norm": scores}
+    methods = [select if select != "cosine" else ("attn-cosine" if what == "attention" else "mlp-cosine")]
+    span = drop if select.startswith("angular") else 1
+    scores = compute_scores(model, calib, span=span, methods=methods, batch_size=batch_size, progress=progress)
+    if what == "block":
+        picked = select_blocks(exclude_first_block(scores) if keep_first else scores, drop, select)
+    else:
+        picked = select_sublayers(scores, drop, select, what)
+    return [int(i) for i in picked], scores.to_dict()
+
+
+def transform_name(replace: str, fuse: bool, fuse_calibrate: bool) -> str:
+    if fuse:
+        return "fuse-calibrated" if fuse_calibrate else "fuse"
+    return "drop" if replace == "none" else f"replace-{replace}"
+
+
+def _params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def prune_model(model: nn.Module, layers: list[int], what: str = "block", replace: str = "none", fuse: bool = False,
+                calib=None, batch_size: int = 8, progress: bool = True, **replace_kwargs) -> tuple[nn.Module, dict]:
+    """Apply one depth transform; returns (model, details). Block transforms work in place."""
+    from compress.depth.blocks import drop_blocks
+    from compress.depth.fuse import fuse_blocks
+    from compress.depth.replace import linear_replace
+    from compress.depth.sublayers import drop_sublayers
+
+    if what != "block":
+        return drop_sublayers(model, layers, what), {}
+    if replace != "none":
+        fits = linear_replace(model, layers, calib, method=replace, batch_size=batch_size, progress=progress,
+                              **replace_kwargs)
+        return model, {"spans": [f.to_dict() for f in fits]}
+    if fuse:
+        groups = fuse_blocks(model, layers, calib=calib, batch_size=batch_size, progress=progress)
+        return model, {"fuse_groups": [g.to_dict() for g in groups]}
+    return drop_blocks(model, layers), {}
+
+
+def prune(
+    model_spec: str,
+    output: str | Path,
+    drop: int | None = None,
+    select: str | None = None,
+    layers: str | Sequence[int] | None = None,
+    what: str = "block",
+    replace: str = "none",
+    fuse: bool = False,
+    fuse_calibrate: bool = False,
+    calib: str = "bundled:brown-calib",
+    samples: int = 64,
+    seq_len: int = 512,
+    batch_size: int = 8,
+    stream: str = "original",
+    alpha: float = 1e-4,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Load ``model_spec``, remove ``drop`` layers, write a checkpoint to ``output``; return a report."""
+    from calibrate.data import calibration_batch
+    from compress.depth.sublayers import sublayer_readme
+    from compress.models import load_model, resolve_model
+    from export.checkpoint import atomic_dir, check_output_dir, write_checkpoint_into
+
+    picked = parse_layers(layers)
+    check_request(what, drop, select, picked, replace, fuse, fuse_calibrate)
+    if stream not in ("original", "sequential"):
+        raise LayercutError(f"unknown --stream '{stream}' (choose from original, sequential)")
+    check_output_dir(output, overwrite)
+    model_dir = resolve_model(model_spec)
+    model, tokenizer = load_model(model_dir)
+    count = drop if drop is not None else len(picked)
+    num_layers = check_against_model(model, what, count, picked, replace)
+    params_before = _params(model)
+    start = time.perf_counter()
+    needs_data = replace != "none" or (fuse and fuse_calibrate) or (select not in (None, "gate-norm"))
+    calib_set = calibration_batch(tokenizer, calib, samples=samples, seq_len=seq_len) if needs_data else None
+    scores = None
+    if select is not None:
+        picked, scores = choose_layers(model, model_dir, what, count, select, calib_set, batch_size, progress,
+                                       keep_first=replace != "none")
+        check_against_model(model, what, count, picked, replace)
+    extra = {"stream": stream, "alpha": alpha} if replace != "none" else {}
+    fit_data = calib_set if (replace != "none" or fuse_calibrate) else None
+    model, details = prune_model(model, picked, what, replace, fuse, fit_data, batch_size, progress, **extra)
+    seconds = time.perf_counter() - start
+    report = {
+        "version": PRUNE_VERSION,
+        "source": str(model_spec),
+        "output": str(output),
+        "what": what,
+        "layers": picked,
+        "select": select or "explicit",
+        "transform": transform_name(replace, fuse, fuse_calibrate),
+        "num_layers_before": num_layers,
+        "num_layers_after": int(model.config.num_hidden_layers),
+        "params_before": params_before,
+        "params_after": _params(model),
+        "seconds": round(seconds, 3),
+        "calibration": {"source": calib, "samples": samples, "seq_len": seq_len} if calib_set is not None else None,
+        **details,
+        **extra,
+        "scores": scores,
+    }
+    files = {"layercut_prune.json": json.dumps(report, indent=2, default=str)}
+    if what != "block":
+        files["README.md"] = sublayer_readme(model.config, str(model_spec))
+    with atomic_dir(output, overwrite) as tmp:
+        write_checkpoint_into(model, tokenizer, tmp, extra_files=files)
+    return {k: v for k, v in report.items() if k != "scores"}
+

@@ -1,0 +1,1 @@
+"""Modeling files shipped inside checkpoints (``auto_map`` + ``trust_remote_code``)."""

@@ -1,0 +1,330 @@
+"""Run a recipe stage by stage into a resumable run directory.
+
+Usage::
+
+    layercut run recipes/smollm2-demo.yaml -o runs/demo            # fresh run
+    layercut run recipes/smollm2-demo.yaml -o runs/demo --resume   # continue after a crash
+
+    from compress.pipeline import run_recipe
+    report = run_recipe(Recipe.from_yaml("recipes/smollm2-demo.yaml"), "runs/demo")
+
+Layout of ``OUT``::
+
+    recipe.yaml            the resolved recipe (every default filled in)
+    run.log                log of every attempt
+    report.json            wall time, peak RSS and quality figures of every stage
+    01-prune/              one folder per stage: stage.json, log.txt, artifacts, model/
+    02-heal/model/ ...
+    04-export/model/       the release checkpoint (card, recipe.yaml, report.json inside)
+
+Every stage reads its input checkpoint from disk and writes into a hidden temporary
+folder that is renamed to ``NN-name`` only when complete (with ``stage.json`` inside),
+so a run killed at any point (even SIGKILL) resumes with ``--resume`` from the first
+unfinished stage. Given the same seed, the resumed run's final checkpoint is
+byte-identical to an uninterrupted one: stages are deterministic functions of (input
+files, config, seed), the checkpoint holds no timings (those live in ``OUT/report.json``),
+and only README.md differs, in its speed row.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from compress.errors import GateFailed, LayercutError
+from compress.recipe import Recipe
+from compress.resources import PeakRSS
+from compress.stages import ADAPTERS, StageContext, StageResult
+from export.checkpoint import atomic_dir, check_output_dir
+from export.export import probe_writable
+
+log = logging.getLogger("layercut.run")
+KILL_ENV = "LAYERCUT_KILL_AT"  # test hook: SIGKILL this process at a named point (see _hook)
+
+
+def stage_dir_name(index: int, name: str) -> str:
+    return f"{index:02d}-{name}"
+
+
+def _hook(point: str) -> None:
+    """Crash-test hook: ``LAYERCUT_KILL_AT=stage-2-written`` SIGKILLs the run right there
+    (``stage-2-written:INT`` sends SIGINT instead, i.e. Ctrl-C).
+
+    Points: ``stage-K-start``, ``stage-K-written`` (files in the temp folder, not renamed),
+    ``stage-K-renamed`` (renamed, report not updated), ``finalize``.
+    """
+    wanted = os.environ.get(KILL_ENV)
+    if wanted and wanted.split(":")[0] == point:
+        sig = signal.SIGINT if wanted.endswith(":INT") else signal.SIGKILL
+        os.kill(os.getpid(), sig)
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # numpy is optional for torch
+        pass
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def prepare_run_dir(recipe: Recipe, out: Path, resume: bool) -> None:
+    """Refuse an existing OUT unless resuming the same recipe; clean stale temp folders."""
+    recipe_file = out / "recipe.yaml"
+    if out.exists() and not resume:
+        raise LayercutError(f"output {out} already exists (pass --resume to continue that run, or remove it)")
+    if out.exists():
+        if not out.is_dir():
+            raise LayercutError(f"output {out} exists and is not a directory")
+        if recipe_file.is_file():
+            _check_resumable(Recipe.from_yaml(recipe_file), recipe, out)
+        elif any(not p.name.startswith(".") for p in out.iterdir()):
+            raise LayercutError(f"--resume: {out} is not a layercut run directory (no recipe.yaml)")
+        for stale in out.glob(".*.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    else:
+        check_output_dir(out)
+        out.mkdir(parents=True)
+    if not recipe_file.is_file() or recipe_file.read_text() != recipe.to_yaml():
+        tmp = out / ".recipe.yaml.tmp"
+        tmp.write_text(recipe.to_yaml())
+        os.replace(tmp, recipe_file)
+
+
+def _check_resumable(previous: Recipe, recipe: Recipe, out: Path) -> None:
+    """Resume only where the finished stages ran with exactly the new recipe's settings.
+
+    Stages that have not run yet may change (fix a failing stage, add an eval); the
+    model, seed and every finished stage may not.
+    """
+    old, new = previous.to_dict(), recipe.to_dict()
+    for key in ("version", "model", "seed", "trust_remote_code"):
+        if old.get(key) != new.get(key):
+            raise LayercutError(f"--resume: the recipe differs from the one in {out} "
+                                f"({key}: {old.get(key)!r} -> {new.get(key)!r}); use a new output folder")
+    for i, stage in enumerate(old["stages"], 1):
+        (name, _), = stage.items()
+        if not (out / stage_dir_name(i, name) / "stage.json").is_file():
+            continue
+        if i > len(new["stages"]) or new["stages"][i - 1] != stage:
+            changed = _first_difference({"stages": old["stages"][:i]}, {"stages": new["stages"][:i]})
+            raise LayercutError(f"--resume: stage {i} ({name}) already ran with other settings ({changed}); "
+                                "use a new output folder")
+
+
+def _first_difference(a: dict, b: dict, prefix: str = "") -> str:
+    for key in list(a) + [k for k in b if k not in a]:
+        va, vb = a.get(key), b.get(key)
+        if va != vb:
+            if isinstance(va, list) and isinstance(vb, list) and len(va) == len(vb):
+                for i, (x, y) in enumerate(zip(va, vb)):
+                    if x != y:
+                        return _first_difference(x, y, f"{prefix}{key}[{i}].") if isinstance(x, dict) and \
+                            isinstance(y, dict) else f"{prefix}{key}[{i}] changed"
+            if isinstance(va, dict) and isinstance(vb, dict):
+                return _first_difference(va, vb, f"{prefix}{key}.")
+            return f"{prefix}{key}: {va!r} -> {vb!r}"
+    return "no difference"
+
+
+def run_recipe(recipe: Recipe, out: str | os.PathLike, resume: bool = False, progress: bool = True) -> dict:
+    """Run every stage of ``recipe`` into ``out``; returns the run report (also ``out/report.json``).
+
+    Raises :class:`GateFailed` (after writing everything) when an eval stage's gate fails.
+    """
+    from compress.models import resolve_model
+
+    missing = [s.stage for s in recipe.stages if s.stage not in ADAPTERS]
+    if missing:
+        raise LayercutError(f"stage '{missing[0]}' is not available in this build of layercut "
+                            f"(available: {', '.join(ADAPTERS)})")
+    out = Path(out).expanduser()
+    if out.exists() and not resume:
+        raise LayercutError(f"output {out} already exists (pass --resume to continue that run, or remove it)")
+    if not out.exists():
+        check_output_dir(out)
+        probe_writable(out)  # read-only location, existing file: before any work
+    elif not out.is_dir():
+        raise LayercutError(f"output {out} exists and is not a directory")
+    source = resolve_model(recipe.model)  # a bad model spec fails before OUT is created
+    prepare_run_dir(recipe, out, resume)
+    handler = _file_log(out / "run.log")
+    try:
+        return _run(recipe, out, source, progress)
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+
+
+def _file_log(path: Path) -> logging.Handler:
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    for name in ("layercut", "compress", "heal", "calibrate", "export"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    return handler
+
+
+def _run(recipe: Recipe, out: Path, source: Path, progress: bool) -> dict:
+    n = len(recipe.stages)
+    log.info("run %s: %d stages, model %s (%s)", out, n, recipe.model, source)
+    current = source
+    records: list[dict] = []
+    for index, cfg in enumerate(recipe.stages, 1):
+        name = stage_dir_name(index, cfg.stage)
+        stage_dir = out / name
+        done = stage_dir / "stage.json"
+        if done.is_file():
+            record = json.loads(done.read_text())
+            log.info("[%d/%d] %s: already complete, skipped", index, n, name)
+            _say(progress, f"[{index}/{n}] {cfg.stage}: done earlier (resumed)")
+        else:
+            _hook(f"stage-{index}-start")
+            _say(progress, f"[{index}/{n}] {cfg.stage}")
+            record = _run_stage(recipe, cfg, index, name, stage_dir, current, source, records, progress)
+            _hook(f"stage-{index}-renamed")
+        if record.get("checkpoint"):
+            current = out / record["checkpoint"]
+        records.append(record)
+        _write_json_atomic(out / "report.json", _report(recipe, out, source, records, complete=False))
+    _hook("finalize")
+    report = _report(recipe, out, source, records, complete=True)
+    _finalize_export(recipe, out, source, report)
+    _write_json_atomic(out / "report.json", report)
+    if progress:
+        print(summary_table(report), file=sys.stderr)
+    failed = [g for r in records for g in r["report"].get("failed_gates", [])]
+    if failed:
+        exc = GateFailed(f"quality gate failed: {', '.join(failed)} (see {out / 'report.json'})")
+        exc.payload = report
+        raise exc
+    return report
+
+
+def _run_stage(recipe, cfg, index: int, name: str, stage_dir: Path, current: Path, source: Path,
+               records: list[dict], progress: bool) -> dict:
+    adapter = ADAPTERS.get(cfg.stage)
+    if adapter is None:
+        raise LayercutError(f"stage '{cfg.stage}' is not available in this build of layercut")
+    with atomic_dir(stage_dir) as tmp:
+        stage_log = logging.FileHandler(tmp / "log.txt", encoding="utf-8")
+        stage_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger().addHandler(stage_log)
+        logging.captureWarnings(True)
+        try:
+            _seed(recipe.seed + index)
+            ctx = StageContext(recipe=recipe, source=source, index=index, seed=recipe.seed + index,
+                               progress=progress, previous=records, run_dir=stage_dir.parent)
+            log.info("stage %s: %s", name, json.dumps(cfg.model_dump(mode="json")))
+            with PeakRSS() as rss:
+                start, cpu = time.perf_counter(), time.process_time()
+                result: StageResult = adapter(cfg, current, tmp, ctx)
+                wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            checkpoint = None
+            if result.checkpoint is not None:
+                checkpoint = f"{name}/{Path(result.checkpoint).relative_to(tmp).as_posix()}"
+            record = {
+                "index": index, "stage": cfg.stage, "dir": name, "input": _rel(current, stage_dir.parent),
+                "checkpoint": checkpoint, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "peak_rss_mb": rss.peak_mb,
+                "rss_method": rss.method, "report": result.report,
+            }
+            log.info("stage %s done in %.1fs, peak RSS %.0f MB", name, wall, rss.peak_mb)
+        finally:
+            logging.getLogger().removeHandler(stage_log)
+            stage_log.close()
+            logging.captureWarnings(False)
+        _write_json_atomic(tmp / "stage.json", record)
+        _hook(f"stage-{index}-written")
+    return record
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return Path(path).relative_to(root).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _say(progress: bool, text: str) -> None:
+    if progress:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _report(recipe: Recipe, out: Path, source: Path, records: list[dict], complete: bool) -> dict:
+    final = next((r["checkpoint"] for r in reversed(records) if r.get("checkpoint")), None)
+    export = next((r for r in records if r["stage"] == "export"), None)
+    return {
+        "layercut_run": 1,
+        "complete": complete,
+        "name": recipe.name,
+        "model": recipe.model,
+        "source": str(source),
+        "seed": recipe.seed,
+        "final_model": export["checkpoint"] if export else final,
+        "total_wall_s": round(sum(r["wall_s"] for r in records), 3),
+        "total_cpu_s": round(sum(r.get("cpu_s", 0.0) for r in records), 3),
+        "stages": records,
+    }
+
+
+def quality_report(report: dict) -> dict:
+    """The run report without timings, RSS and speed: what goes inside the checkpoint."""
+    volatile = {"wall_s", "cpu_s", "peak_rss_mb", "rss_method", "total_wall_s", "total_cpu_s", "seconds",
+                "tokens_per_s", "source", "input"}
+
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in volatile}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+
+    return strip(report)
+
+
+def _finalize_export(recipe: Recipe, out: Path, source: Path, report: dict) -> None:
+    """Write the model card and the (timing-free) report into the exported checkpoint."""
+    export = next((r for r in report["stages"] if r["stage"] == "export"), None)
+    if export is None:
+        return
+    from export.card import write_card
+
+    folder = out / export["checkpoint"]
+    cfg = recipe.stages[export["index"] - 1]
+    _write_json_atomic(folder / "report.json", quality_report(report))
+    if cfg.card:
+        write_card(folder, report, source, run_dir=out)
+
+
+def summary_table(report: dict) -> str:
+    """One line per stage: wall time, peak RSS and the stage's headline figures."""
+    from compress.stages import headline
+
+    rows = [("stage", "wall s", "CPU s", "peak RSS MB", "result")]
+    for r in report["stages"]:
+        rows.append((r["dir"], f"{r['wall_s']:.1f}", f"{r.get('cpu_s', 0.0):.1f}", f"{r['peak_rss_mb']:.0f}",
+                     headline(r["stage"], r["report"])))
+    rows.append(("total", f"{report['total_wall_s']:.1f}", f"{report.get('total_cpu_s', 0.0):.1f}", "",
+                 f"final model: {report['final_model']}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {d:>{widths[3]}}  {e}" for a, b, c, d, e in rows]
+    lines.insert(1, "-" * max(len(line) for line in lines))
+    return "\n".join(lines)

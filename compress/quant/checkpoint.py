@@ -1,0 +1,251 @@
+"""Write GPTQ v1 checkpoints that stock transformers, GPTQModel, vLLM and layercut load.
+
+Usage::
+
+    from compress.quant.checkpoint import save_quantized
+    result = quantize_model(model, calib, QuantConfig(bits=4, group_size=64))
+    save_quantized(model, tokenizer, result, "out/q4")
+
+Layout: every quantized linear ``NAME`` is stored as ``NAME.qweight`` / ``.qzeros`` /
+``.scales`` (fp16) / ``.g_idx`` (+ ``.bias`` in fp16), exactly as
+:func:`compress.quant.pack.pack_gptq` packs it; every other tensor (embeddings, norms,
+an untied head) in ``dtype`` (default float16, the GPTQ convention); tied copies are not
+stored. Shards ``model-0000i-of-0000n.safetensors`` with metadata ``{"format": "pt"}``
+and ``model.safetensors.index.json`` (also for one shard), written atomically.
+
+``config.json`` gets a ``quantization_config`` (also written as ``quantize_config.json``)::
+
+    {"quant_method": "gptq", "checkpoint_format": "gptq", "format": "gptq", "bits": 4,
+     "group_size": 64, "desc_act": false, "sym": false, "true_sequential": false,
+     "damp_percent": 0.01, "static_groups": false, "lm_head": false, "pack_dtype": "int32",
+     "block_name_to_quantize": "model.layers",
+     "dynamic": {"+:model\\.layers\\.3\\..*": {"bits": 8, "group_size": 64}, ...}}
+
+``dynamic`` holds GPTQModel's per-module overrides (omitted when every linear has the
+base bits): keys are regexes that GPTQModel (PCRE) and vLLM (``re``) match from the start
+of a module's full name, ``+:`` marking a positive override. They are written in the
+model's current layer numbering — after pruning, that is the final one. A whole layer at
+other bits is ``+:model\\.layers\\.3\\..*``; a fused group is e.g.
+``+:model\\.layers\\.3\\.self_attn\\.(q_proj|k_proj|v_proj|qkv_proj)$`` — vLLM's fused
+module name is added so servers that fuse q/k/v (``qkv_proj``) match it too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from compress.arch import arch_for
+from compress.errors import LayercutError
+from compress.quant.stage import QuantizeResult, target_linears
+from export.checkpoint import atomic_dir
+
+INDEX = "model.safetensors.index.json"
+# meta.quantizer: who wrote it, and whose v1 packing convention it follows. GPTQModel refuses
+# to load *asymmetric* v1 checkpoints unless a "gptqmodel:>=0.9" entry vouches that zero
+# points were stored with its (post-0.9) offset handling; compress/quant/pack.py is bit-exact
+# with GPTQModel 7.6.0's packer (tests/test_pack.py), so the entry is declared.
+PACKING_COMPAT = "gptqmodel:7.6.0"
+
+
+def _quantizer_tags() -> list[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        own = f"layercut:{version('layercut')}"
+    except PackageNotFoundError:
+        own = "layercut:unknown"
+    return [own, PACKING_COMPAT]
+
+
+def _fused_name(paths: tuple[str, ...]) -> str | None:
+    """vLLM's fused module name for a group (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
+    if len(paths) < 2:
+        return None
+    parents = {p.rpartition(".")[0] for p in paths}
+    leaves = [p.rpartition(".")[2] for p in paths]
+    if len(parents) != 1 or not all(leaf.endswith("_proj") for leaf in leaves):
+        return None
+    stems = [leaf[: -len("_proj")] for leaf in leaves]
+    joined = "".join(stems) if all(len(s) == 1 for s in stems) else "_".join(stems)
+    return f"{parents.pop()}.{joined}_proj"
+
+
+def _alternation(names: list[str]) -> str:
+    """Regex for exactly these dotted names: ``mlp\\.(gate_proj|up_proj|gate_up_proj)``."""
+    parents = {n.rpartition(".")[0] for n in names}
+    if len(names) == 1:
+        return re.escape(names[0])
+    if len(parents) == 1 and parents != {""}:
+        parent = parents.pop()
+        return re.escape(parent) + "\\.(" + "|".join(re.escape(n.rpartition(".")[2]) for n in names) + ")"
+    return "(" + "|".join(re.escape(n) for n in names) + ")"
+
+
+def dynamic_overrides(model: nn.Module, bits: Mapping[str, int], base_bits: int, group_size: int) -> dict:
+    """GPTQModel ``dynamic`` entries for every linear whose bits differ from ``base_bits``.
+
+    ``bits`` maps full linear names to bits (all target linears). A decoder layer whose
+    linears all share one non-base width gets one layer regex; otherwise each differing
+    fused group gets its own. Raises if a fused group mixes bit widths.
+    """
+    spec = arch_for(model)
+    prefix = re.escape(spec.layers_path())
+    out: dict[str, dict] = {}
+    for i, _block in enumerate(spec.layers_of(model)):
+        group_bits = []
+        for group in spec.groups:
+            widths = {bits[f"{spec.layers_path()}.{i}.{p}"] for p in group}
+            if len(widths) != 1:
+                raise LayercutError(f"quantize: layer {i} group {group} mixes bit widths {sorted(widths)}; "
+                                    "fused projections must share one width")
+            group_bits.append(widths.pop())
+        if len(set(group_bits)) == 1:
+            if group_bits[0] != base_bits:
+                out[f"+:{prefix}\\.{i}\\..*"] = {"bits": group_bits[0], "group_size": group_size}
+            continue
+        for group, b in zip(spec.groups, group_bits):
+            if b == base_bits:
+                continue
+            names = list(group) + ([_fused_name(group)] if _fused_name(group) else [])
+            body = _alternation(names)
+            out[f"+:{prefix}\\.{i}\\.{body}$"] = {"bits": b, "group_size": group_size}
+    return out
+
+
+def resolve_dynamic(dynamic: Mapping[str, Mapping] | None, name: str) -> Mapping | bool | None:
+    """GPTQModel's rule: the first pattern that ``re.match``-es ``name`` wins; ``-:`` → False
+    (not quantized), ``+:``/bare → its overrides; no match → None."""
+    for pattern, overrides in (dynamic or {}).items():
+        negative = pattern.startswith("-:")
+        raw = pattern[2:] if pattern.startswith(("+:", "-:")) else pattern
+        if re.match(raw, name):
+            return False if negative else overrides
+    return None
+
+
+def quantization_config(model: nn.Module, result: QuantizeResult) -> dict:
+    """The ``quantization_config`` dict for a quantized model (see module doc)."""
+    cfg = result.config
+    bits = result.bits()
+    if not bits:
+        raise LayercutError("quantize: nothing was quantized")
+    counts: Counter[int] = Counter()
+    for q in result.layers.values():
+        counts[q.bits] += q.in_features * q.out_features
+    base = max(counts, key=lambda b: (counts[b], -b))  # the width most weights have
+    spec = arch_for(model)
+    qc = {
+        "quant_method": "gptq",
+        "checkpoint_format": "gptq",
+        "format": "gptq",
+        "bits": base,
+        "group_size": cfg.group_size,
+        "desc_act": cfg.act_order,
+        "sym": cfg.sym,
+        "true_sequential": cfg.sequential != "block",
+        "damp_percent": cfg.damp,
+        "static_groups": cfg.static_groups,
+        "lm_head": False,
+        "pack_dtype": "int32",
+        "block_name_to_quantize": spec.layers_path(),
+        "modules_in_block_to_quantize": [list(g) for g in spec.groups],
+        "meta": {"quantizer": _quantizer_tags(), "method": cfg.method, "sequential": cfg.sequential},
+    }
+    dynamic = dynamic_overrides(model, bits, base, cfg.group_size)
+    if dynamic:
+        qc["dynamic"] = dynamic
+    return qc
+
+
+def quantized_state_dict(model: nn.Module, result: QuantizeResult, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Tensors to store: packed GPTQ tensors for quantized linears, the rest in ``dtype``."""
+    quantized = set(result.layers)
+    tied: set[str] = set()
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "get_expanded_tied_weights_keys"):
+        tied = set(model.get_expanded_tied_weights_keys(all_submodels=True))
+    state: dict[str, Tensor] = {}
+    for key, value in model.state_dict().items():
+        module, _, leaf = key.rpartition(".")
+        if key in tied:
+            continue
+        if module in quantized:
+            if leaf == "bias":
+                state[key] = value.detach().to(torch.float16).clone()
+            continue  # the dense weight is replaced by the packed tensors
+        value = value.detach()
+        state[key] = (value.to(dtype) if value.is_floating_point() else value).contiguous().clone()
+    for name, ql in result.layers.items():
+        for leaf, t in ql.tensors.items():
+            state[f"{name}.{leaf}"] = t.detach().cpu().contiguous().clone()  # safetensors refuses shared storage
+    return state
+
+
+def write_quantized_into(
+    model: nn.Module,
+    tokenizer,
+    result: QuantizeResult,
+    folder: Path,
+    dtype: torch.dtype = torch.float16,
+    max_shard_size: str | int = "2GB",
+    extra_files: Mapping[str, str | bytes] | None = None,
+) -> dict:
+    """Non-atomic part of :func:`save_quantized`; returns the ``quantization_config``."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    missing = [n for _, _, n, _ in target_linears(model) if n not in result.layers]
+    if missing:
+        raise LayercutError(f"quantize: {len(missing)} linears were not quantized (e.g. {missing[0]})")
+    qc = quantization_config(model, result)
+    state = quantized_state_dict(model, result, dtype)
+    split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    n = len(split.filename_to_tensors)
+    weight_map = {}
+    for i, (_, keys) in enumerate(split.filename_to_tensors.items(), 1):
+        shard = f"model-{i:05d}-of-{n:05d}.safetensors"
+        save_file({k: state[k] for k in keys}, str(folder / shard), metadata={"format": "pt"})
+        weight_map.update({k: shard for k in keys})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+    config = copy.deepcopy(model.config)
+    config.quantization_config = qc
+    config.dtype = dtype
+    config.save_pretrained(folder)
+    (folder / "quantize_config.json").write_text(json.dumps(qc, indent=2) + "\n")
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    for name, content in (extra_files or {}).items():
+        (folder / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    return qc
+
+
+def save_quantized(
+    model: nn.Module,
+    tokenizer,
+    result: QuantizeResult,
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.float16,
+    max_shard_size: str | int = "2GB",
+    overwrite: bool = False,
+    extra_files: Mapping[str, str | bytes] | None = None,
+) -> Path:
+    """Write ``model`` (after :func:`~compress.quant.stage.quantize_model`) as a GPTQ v1
+    checkpoint at ``path``, atomically (nothing appears under ``path`` on failure)."""
+    with atomic_dir(path, overwrite) as tmp:
+        write_quantized_into(model, tokenizer, result, tmp, dtype, max_shard_size, extra_files)
+    return Path(path)

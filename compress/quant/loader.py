@@ -1,0 +1,164 @@
+"""layercut's own loader for GPTQ v1 checkpoints (uniform or mixed bits via ``dynamic``).
+
+Usage::
+
+    from compress.quant.loader import load_quantized
+    model = load_quantized("out/q4", dtype=torch.float32, device="cpu")
+    # or simply compress.models.load_model("out/q4"), which routes here
+
+The model is built with its parameters on the meta device (buffers such as rotary
+frequencies are computed normally), every linear that has a ``.qweight`` in the
+checkpoint is swapped for a :class:`~compress.quant.qlinear.QuantLinear` whose bits and
+group size come from ``quantization_config`` and its ``dynamic`` overrides (GPTQModel's
+rule: first matching regex wins, ``-:`` means "not quantized"), the safetensors are read
+one tensor at a time and assigned (``load_state_dict(assign=True)``), and tied weights are
+re-tied. Works for checkpoints written by layercut and by GPTQModel (format ``gptq``).
+On CPU QuantLinear runs the pure-torch reference dequant; on GPU the CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from compress.errors import LayercutError
+from compress.quant.checkpoint import INDEX, resolve_dynamic
+from compress.quant.pack import SUPPORTED_BITS, packed_rows
+from compress.quant.qlinear import QuantLinear
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise LayercutError(f"{index}: not a valid safetensors index ({exc})") from None
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise LayercutError(f"{path}: no .safetensors weights")
+    for f in files:
+        if not f.is_file():
+            raise LayercutError(f"{path}: index names {f.name}, which is missing")
+    return files
+
+
+def _read_quant_config(config) -> dict:
+    qc = config.quantization_config
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method = str(qc.get("quant_method", "")).lower()
+    if method != "gptq":
+        raise LayercutError(f"layercut loads GPTQ checkpoints; this one is quant_method={method!r}")
+    fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
+    if fmt != "gptq":
+        raise LayercutError(f"layercut loads GPTQ v1 checkpoints (format 'gptq'); this one is {fmt!r}")
+    if qc.get("bits") not in SUPPORTED_BITS:
+        raise LayercutError(f"quantization_config.bits must be one of {SUPPORTED_BITS}, got {qc.get('bits')}")
+    return qc
+
+
+def _conv1d_shape(module: nn.Module) -> tuple[int, int] | None:
+    """(in, out) of a Linear or GPT-2 Conv1D; None for anything else."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, Conv1D):
+        return module.weight.shape[0], module.weight.shape[1]
+    return None
+
+
+def _swap_quant_linears(model: nn.Module, qc: dict, headers: dict[str, tuple[int, ...]]) -> set[str]:
+    """Replace each linear with a ``.qweight`` tensor by an empty (meta) QuantLinear."""
+    names = sorted(k[: -len(".qweight")] for k in headers if k.endswith(".qweight"))
+    if not names:
+        raise LayercutError("checkpoint has a quantization_config but no .qweight tensors")
+    base_bits, base_gs = int(qc["bits"]), int(qc.get("group_size", 128))
+    for name in names:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise LayercutError(f"checkpoint has quantized weights for {name}, which the model does not have") from None
+        shape = _conv1d_shape(module)
+        if shape is None:
+            raise LayercutError(f"{name} is quantized in the checkpoint but is a {type(module).__name__}")
+        in_f, out_f = shape
+        over = resolve_dynamic(qc.get("dynamic"), name)
+        if over is False:
+            raise LayercutError(f"{name}: quantization_config.dynamic excludes it ('-:'), yet it has a qweight")
+        bits = int((over or {}).get("bits", base_bits))
+        gs = int((over or {}).get("group_size", base_gs))
+        expected = (packed_rows(in_f, bits), out_f)
+        if tuple(headers[f"{name}.qweight"]) != expected:
+            raise LayercutError(
+                f"{name}.qweight is {list(headers[f'{name}.qweight'])} but {bits}-bit [{in_f} -> {out_f}] needs "
+                f"{list(expected)}: the quantization_config (bits / dynamic) does not match the tensors"
+            )
+        layer = QuantLinear(in_f, out_f, bits, gs, bias=f"{name}.bias" in headers, device="meta")
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+    return set(names)
+
+
+def load_quantized(
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> nn.Module:
+    """Load a GPTQ v1 checkpoint directory into a model with :class:`QuantLinear` layers.
+
+    Non-quantized tensors are cast to ``dtype``; packed tensors keep their stored dtypes
+    (int32 codes, fp16 scales). Raises :class:`LayercutError` on a config that does not
+    match the tensors, missing or unexpected tensors, or a non-GPTQ format.
+    """
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "quantization_config", None) is None:
+        raise LayercutError(f"{path}: no quantization_config in config.json (not a GPTQ checkpoint)")
+    qc = _read_quant_config(config)
+    files = _weight_files(path)
+    headers: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                headers[key] = tuple(fh.get_slice(key).get_shape())
+
+    dense_config = copy.deepcopy(config)
+    del dense_config.quantization_config
+    dense_config.dtype = dtype
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(dense_config, dtype=dtype)
+    quantized = _swap_quant_linears(model, qc, headers)
+
+    expected = set(model.state_dict().keys())
+    unexpected: list[str] = []
+    for f in files:
+        state = {}
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                if key not in expected:
+                    unexpected.append(key)
+                    continue
+                t = fh.get_tensor(key)
+                owner = key.rpartition(".")[0]
+                if owner not in quantized and t.is_floating_point():
+                    t = t.to(dtype)
+                state[key] = t
+        model.load_state_dict(state, strict=False, assign=True)
+    if unexpected:
+        raise LayercutError(f"{path}: {len(unexpected)} tensors the model does not have (e.g. {unexpected[0]})")
+    model.tie_weights()
+    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        raise LayercutError(f"{path}: {len(missing)} tensors missing from the checkpoint (e.g. {missing[0]})")
+    model.config.quantization_config = qc
+    return model.to(device).eval()

@@ -1,0 +1,250 @@
+"""How much each allocation unit suffers at each bit width: the Δ_u(b) of the bit allocator.
+
+Run it::
+
+    from compress.quant.sensitivity import allocation_units, measure_sensitivity
+    units = allocation_units(model, "layer")                 # or "group": qkv / o / gate_up / down
+    table = measure_sensitivity(model, calib, units, (2, 3, 4, 8), QuantConfig(group_size=64))
+    table.delta["model.layers.3"][3]                         # Δ of layer 3 at 3 bits
+
+Each Δ_u(b) is measured on the float model with *only unit u* quantized (GPTQ at b bits,
+Hessians from the float inputs), by one of (``methods``; the first is ``table.delta``):
+
+* ``"kl"`` — the definition: mean over calibration tokens of KL(p_fp ‖ p_{u@b}); one
+  full-model forward per (unit, bits), so |U|·|B| forwards. Exact, and expensive.
+* ``"output"`` — error of the block output: mean over tokens of ‖h'_{l+1} − h_{l+1}‖²
+  (the residual stream after the block holding u). One *block* forward per (unit, bits).
+  In a pre-norm transformer a perturbation of the stream is carried to the top and
+  scaled by the same final norm whatever layer caused it, which is why the absolute
+  (not relative) error is the proxy; ``"output_rel"`` (÷ mean ‖h_{l+1}‖²) is recorded too.
+* ``"loss"`` — Σ over u's linears of ½ tr(ΔW H ΔWᵀ) (GPTQ's objective, undamped); free.
+
+How well each proxy ranks like the KL on SmolLM2 is measured in benchmarks/quant.py
+(:func:`rank_correlation`) and reported in docs/results-quant.md; the command uses the
+best-ranking cheap proxy by default.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from calibrate.capture import BlockRun, run_blocks
+from calibrate.data import CalibSet
+from compress.arch import arch_for
+from compress.errors import LayercutError
+from compress.quant.allocate import Unit
+from compress.quant.gptq import SUPPORTED_BITS
+from compress.quant.stage import (
+    GROUP_LABELS,
+    HessianSet,
+    QuantConfig,
+    check_model,
+    linear_weight,
+    set_weight,
+    solve_group,
+    target_linears,
+)
+
+METHODS = ("kl", "output", "output_rel", "loss")
+
+
+@dataclass(frozen=True)
+class AllocUnit:
+    """What gets one bit width: a decoder layer, or one fused group of a layer."""
+
+    name: str  # "model.layers.3" or "model.layers.3.qkv"
+    block: int
+    groups: tuple[int, ...]  # indices into ArchSpec.groups
+    linears: tuple[str, ...]  # full linear names
+    n_weights: int
+    n_rows: int  # Σ out_features: the (group, row) pairs when group_size = -1
+
+    def to_unit(self, delta: dict[int, float], group_size: int) -> Unit:
+        """The allocator's :class:`~compress.quant.allocate.Unit` with sensitivities ``delta``."""
+        return Unit(self.name, self.n_weights, delta, n_groups=self.n_rows if group_size == -1 else None)
+
+
+def allocation_units(model: nn.Module, unit: str = "layer") -> list[AllocUnit]:
+    """The allocation units of ``model`` in forward order: ``"layer"`` or ``"group"``."""
+    if unit not in ("layer", "group"):
+        raise LayercutError(f"quantize: --unit must be 'layer' or 'group', got {unit!r}")
+    spec = arch_for(model)
+    conv1d = spec.conv1d
+    per_group: dict[tuple[int, int], list[tuple[str, nn.Module]]] = {}
+    for i, g, name, module in target_linears(model, spec):
+        per_group.setdefault((i, g), []).append((name, module))
+    units: list[AllocUnit] = []
+    n_groups = len(spec.groups)
+    for i in range(len(spec.layers_of(model))):
+        sets = [tuple(range(n_groups))] if unit == "layer" else [(g,) for g in range(n_groups)]
+        for gs in sets:
+            items = [it for g in gs for it in per_group[(i, g)]]
+            shapes = [tuple(linear_weight(m, conv1d).shape) for _, m in items]
+            label = f"{spec.layers_path()}.{i}"
+            if unit == "group":
+                label += "." + (GROUP_LABELS[gs[0]] if n_groups == len(GROUP_LABELS) else f"g{gs[0]}")
+            units.append(AllocUnit(label, i, gs, tuple(n for n, _ in items),
+                                   sum(o * k for o, k in shapes), sum(o for o, _ in shapes)))
+    return units
+
+
+def expand_bits(units: Sequence[AllocUnit], unit_bits: dict[str, int]) -> dict[str, int]:
+    """Per-unit bits -> per-linear bits (full linear names)."""
+    return {name: unit_bits[u.name] for u in units for name in u.linears}
+
+
+@dataclass
+class SensitivityTable:
+    """Δ_u(b) per unit and bits for the primary method, and every other method computed."""
+
+    method: str
+    delta: dict[str, dict[int, float]]
+    by_method: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)
+    seconds: float = 0.0
+    tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "seconds": self.seconds, "tokens": self.tokens,
+                "by_method": {m: {u: {str(b): v for b, v in d.items()} for u, d in t.items()}
+                              for m, t in self.by_method.items()}}
+
+
+@torch.no_grad()
+def _logprobs(model: nn.Module, calib: CalibSet, batch_size: int) -> list[Tensor]:
+    """log p for every position, per micro-batch: [B, L, V] float32."""
+    dev = next(model.parameters()).device
+    return [F.log_softmax(model(input_ids=ids.to(dev), attention_mask=m.to(dev), use_cache=False).logits.float(), -1)
+            for ids, m in calib.split(batch_size)]
+
+
+@torch.no_grad()
+def _mean_kl(model: nn.Module, calib: CalibSet, ref: list[Tensor], batch_size: int) -> float:
+    """Mean over non-pad tokens of KL(p_ref ‖ p_model)."""
+    total, count = 0.0, 0
+    for (_, m), lp, rlp in zip(calib.split(batch_size), _logprobs(model, calib, batch_size), ref):
+        kl = (rlp.exp() * (rlp - lp)).sum(-1)  # [B, L]
+        mask = m.bool().to(kl.device)
+        total += float(kl[mask].sum())
+        count += int(mask.sum())
+    return total / max(count, 1)
+
+
+def _masked_sq(a: Tensor, b: Tensor | None, mask: Tensor) -> float:
+    """Σ over non-pad tokens of ‖a − b‖² (or ‖a‖² when b is None); a, b [B, L, D], mask [B, L]."""
+    d = a if b is None else a - b
+    return float(d.float().square().sum(-1)[mask].sum())
+
+
+@torch.no_grad()
+def measure_sensitivity(
+    model: nn.Module,
+    calib: CalibSet,
+    units: Sequence[AllocUnit],
+    candidates: Sequence[int],
+    cfg: QuantConfig,
+    methods: Sequence[str] = ("output",),
+    batch_size: int = 8,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+) -> SensitivityTable:
+    """Δ_u(b) for every unit and candidate bit width (see module doc for ``methods``).
+
+    The model is left unchanged. ``calib`` [N, L] should be small (a few dozen
+    sequences): the "output" proxy costs |B|·(units per layer) block forwards per layer,
+    "kl" one full-model forward per (unit, bits).
+    """
+    methods = list(dict.fromkeys(methods))
+    bad = [m for m in methods if m not in METHODS]
+    if not methods or bad:
+        raise LayercutError(f"sensitivity: methods must be among {METHODS}, got {methods}")
+    cands = sorted(set(candidates))
+    if not cands or any(b not in SUPPORTED_BITS for b in cands):
+        raise LayercutError(f"quantize: candidate bits must be among {SUPPORTED_BITS}, got {list(candidates)}")
+    check_model(model, cfg)
+    if "kl" in methods and device is not None and torch.device(device) != next(model.parameters()).device:
+        raise LayercutError("sensitivity: 'kl' runs the whole model; put the model on the device instead of device=")
+    spec = arch_for(model)
+    by_block: dict[int, list[AllocUnit]] = {}
+    for u in units:
+        by_block.setdefault(u.block, []).append(u)
+    modules = {name: module for _, _, name, module in target_linears(model, spec)}
+    group_of = {name: g for _, g, name, _ in target_linears(model, spec)}
+    table = {m: {u.name: {} for u in units} for m in methods}
+    ref = _logprobs(model, calib, batch_size) if "kl" in methods else None
+    forward_methods = [m for m in methods if m in ("output", "output_rel")]
+    start = time.perf_counter()
+    tokens = {"n": 0}
+
+    def on_block(run: BlockRun) -> None:
+        block_units = by_block.get(run.index, [])
+        if not block_units:
+            return
+        hs = HessianSet(run, tuple(range(len(spec.groups))))
+        hs.collect()  # also caches the float outputs h_{l+1}
+        fp_out = run.outputs()
+        masks = run.masks
+        n_tok = sum(int(m.sum()) for m in masks)
+        tokens["n"] = n_tok
+        fp_energy = sum(_masked_sq(o, None, m) for o, m in zip(fp_out, masks)) / n_tok
+        names = [n for u in block_units for n in u.linears]
+        original = {n: linear_weight(modules[n], spec.conv1d).detach().clone() for n in names}
+        perturbed = False
+        for b in cands:
+            deq, loss = {}, {}
+            for g in sorted({group_of[n] for n in names}):  # one solve per fused group (shared H)
+                members = [n for n in names if group_of[n] == g]
+                H = hs.get(g, ", ".join(members)).to(original[members[0]].device)
+                for n, res in zip(members, solve_group([original[n] for n in members], H, b, cfg)):
+                    deq[n], loss[n] = res.dequant, res.loss
+            for u in block_units:
+                if "loss" in methods:
+                    table["loss"][u.name][b] = float(sum(loss[n] for n in u.linears))
+                if not (forward_methods or "kl" in methods):
+                    continue
+                for n in u.linears:
+                    set_weight(modules[n], deq[n], spec.conv1d)
+                perturbed = True
+                if forward_methods:
+                    outs = run.forward()
+                    err = sum(_masked_sq(o, f, m) for o, f, m in zip(outs, fp_out, masks)) / n_tok
+                    if "output" in methods:
+                        table["output"][u.name][b] = err
+                    if "output_rel" in methods:
+                        table["output_rel"][u.name][b] = err / fp_energy
+                if "kl" in methods:
+                    table["kl"][u.name][b] = _mean_kl(model, calib, ref, batch_size)
+                for n in u.linears:
+                    set_weight(modules[n], original[n], spec.conv1d)
+        if perturbed:
+            run.invalidate()  # weights are restored: recompute the float outputs for the next block
+
+    run_blocks(model, calib, [on_block], batch_size=batch_size, device=device, progress=progress, desc="sensitivity")
+    return SensitivityTable(methods[0], table[methods[0]], table, time.perf_counter() - start, tokens["n"])
+
+
+def rank_correlation(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's ρ (Pearson correlation of average ranks, so ties are handled)."""
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if x.shape != y.shape or x.size < 2:
+        raise ValueError("rank_correlation: need two equal-length sequences of at least 2 values")
+
+    def ranks(v: np.ndarray) -> np.ndarray:
+        order = np.argsort(v, kind="mergesort")
+        r = np.empty_like(v)
+        r[order] = np.arange(v.size, dtype=np.float64)
+        for val in np.unique(v):  # average ranks over ties
+            tie = v == val
+            r[tie] = r[tie].mean()
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    denom = np.sqrt((rx * rx).sum() * (ry * ry).sum())
+    return float((rx * ry).sum() / denom) if denom > 0 else float("nan")

@@ -1,0 +1,383 @@
+"""GPTQ over a whole model, block by block on the capture driver (the stage wrapper).
+
+Run it::
+
+    from compress.quant.stage import QuantConfig, quantize_model
+    cfg = QuantConfig(bits=4, group_size=64)                    # asym, GPTQ, damp 0.01
+    result = quantize_model(model, calib, cfg, bits={"model.layers.3.mlp.down_proj": 8})
+    result.layers["model.layers.0.self_attn.q_proj"].tensors    # packed GPTQ v1 tensors
+
+or ``layercut quantize MODEL -o OUT --bits 4`` (see compress/commands/quantize.py).
+
+Each decoder block's turn in :func:`calibrate.capture.run_blocks`: hooks on the first
+linear of each fused group ({q,k,v}, o, {gate,up}, down — they share an input) fold
+the masked inputs into one Hessian H = 2/N Σ x xᵀ per group, every linear of the group
+is quantized with :func:`compress.quant.gptq.gptq_quantize`, its weight is replaced *in
+place* by the dequantized weight (so the model stays a plain, fast model whose forward
+is exactly what a checkpoint decodes to), and ``run.invalidate()`` makes the next block
+see the quantized block's outputs (Frantar et al. 2022, §4 "sequential").
+
+``sequential`` picks how often the Hessians are re-collected inside a block:
+``"block"`` (one pass: all four groups see the block's float inputs), ``"sublayer"``
+(attention, then MLP with inputs from the quantized attention) or ``"linear"`` (the
+reference "true sequential": qkv, o, gate_up, down each after the previous is quantized,
+4 passes). Each pass is a full block forward over the calibration set, which is what
+dominates wall time on CPU; see docs/results-quant.md for the measured trade-off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from calibrate.capture import BlockRun, run_blocks
+from calibrate.data import CalibSet
+from compress.arch import ArchSpec, arch_for, get_submodule
+from compress.errors import LayercutError
+from compress.quant.gptq import SUPPORTED_BITS, QuantResult, gptq_quantize, hessian_update, rtn_quantize
+from compress.quant.pack import pack_gptq
+
+METHODS = ("gptq", "rtn")
+SEQUENTIAL = {"block": ((0, 1, 2, 3),), "sublayer": ((0, 1), (2, 3)), "linear": ((0,), (1,), (2,), (3,))}
+GROUP_LABELS = ("qkv", "o", "gate_up", "down")
+
+
+@dataclass
+class QuantConfig:
+    """How to quantize: defaults are GPTQ, asymmetric, 4 bits, group size 128, damp 0.01."""
+
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = False
+    act_order: bool = False
+    static_groups: bool = False
+    damp: float = 0.01
+    method: str = "gptq"  # "gptq" | "rtn"
+    sequential: str = "block"  # "block" | "sublayer" | "linear" (see module doc)
+    block_size: int = 128
+
+    def check(self) -> None:
+        if self.bits not in SUPPORTED_BITS:
+            raise LayercutError(f"quantize: bits must be one of {SUPPORTED_BITS}, got {self.bits}")
+        if self.group_size != -1 and self.group_size <= 0:
+            raise LayercutError(f"quantize: group size must be -1 or positive, got {self.group_size}")
+        if self.method not in METHODS:
+            raise LayercutError(f"quantize: method must be one of {METHODS}, got {self.method!r}")
+        if self.sequential not in SEQUENTIAL:
+            raise LayercutError(f"quantize: sequential must be one of {tuple(SEQUENTIAL)}, got {self.sequential!r}")
+        if not (0 <= self.damp < 1 and math.isfinite(self.damp)):
+            raise LayercutError(f"quantize: damp must lie in [0, 1), got {self.damp}")
+
+
+@dataclass
+class QuantizedLinear:
+    """One quantized linear: packed GPTQ v1 tensors (CPU) and what the solve reported."""
+
+    name: str  # full module name, e.g. model.layers.3.self_attn.q_proj
+    bits: int
+    group_size: int
+    in_features: int
+    out_features: int
+    tensors: dict[str, Tensor]  # qweight, qzeros, scales (fp16), g_idx (see compress.quant.pack)
+    loss: float  # ½ tr(ΔW H ΔWᵀ), the layer's output error on calibration inputs (NaN for RTN)
+    damp_used: float
+
+
+@dataclass
+class QuantizeResult:
+    """All quantized linears of a model, in forward order, plus timings."""
+
+    config: QuantConfig
+    layers: dict[str, QuantizedLinear] = field(default_factory=dict)
+    seconds: float = 0.0
+    solve_seconds: float = 0.0  # time inside gptq_quantize / rtn_quantize
+    tokens: int = 0  # calibration tokens (non-pad) per Hessian
+
+    def bits(self) -> dict[str, int]:
+        return {n: q.bits for n, q in self.layers.items()}
+
+    def avg_bits(self) -> float:
+        """Stored bits per quantized weight, scales (fp16) and packed zeros included."""
+        total = sum(q.in_features * q.out_features for q in self.layers.values())
+        stored = sum(
+            (t.numel() * t.element_size() * 8) for q in self.layers.values()
+            for k, t in q.tensors.items() if k != "g_idx"
+        )
+        return stored / total
+
+
+# ----------------------------------------------------------------------- targets
+
+
+def linear_weight(module: nn.Module, conv1d: bool) -> Tensor:
+    """W [out, in] of a Linear (GPT-2's Conv1D stores it transposed)."""
+    return module.weight.T if conv1d else module.weight
+
+
+def set_weight(module: nn.Module, W: Tensor, conv1d: bool) -> None:
+    w = W.T if conv1d else W
+    module.weight.data.copy_(w.to(module.weight.dtype))
+
+
+def target_linears(model: nn.Module, spec: ArchSpec | None = None) -> list[tuple[int, int, str, nn.Module]]:
+    """(block index, group index, full name, module) of every linear GPTQ quantizes, forward order."""
+    spec = spec or arch_for(model)
+    prefix = spec.layers_path()
+    out = []
+    for i, block in enumerate(spec.layers_of(model)):
+        for g, group in enumerate(spec.groups):
+            for path in group:
+                out.append((i, g, f"{prefix}.{i}.{path}", get_submodule(block, path)))
+    return out
+
+
+def is_quantized_model(model: nn.Module) -> bool:
+    """True if ``model`` already holds GPTQ (or other) quantized layers / config."""
+    if getattr(getattr(model, "config", None), "quantization_config", None) is not None:
+        return True
+    return any(hasattr(m, "qweight") for m in model.modules())
+
+
+def check_model(
+    model: nn.Module, cfg: QuantConfig, bits: Mapping[str, int] | None = None
+) -> list[tuple[int, int, str, nn.Module]]:
+    """Validate everything quantization needs before any work; return the target linears.
+
+    Refuses: an already-quantized model; bits outside {2,3,4,8} (default or per layer);
+    per-layer bits naming no target linear; a group size that does not divide some
+    linear's in_features (no silent per-layer fallback: pick a divisor, or -1); weights
+    with NaN/Inf.
+    """
+    cfg.check()
+    if is_quantized_model(model):
+        raise LayercutError("quantize: the model is already quantized (it has a quantization_config or "
+                            "quantized layers); quantize the dense original instead")
+    spec = arch_for(model)
+    targets = target_linears(model, spec)
+    names = {name for _, _, name, _ in targets}
+    for name, b in (bits or {}).items():
+        if name not in names:
+            raise LayercutError(f"quantize: per-layer bits name '{name}', which is not a quantizable linear")
+        if b not in SUPPORTED_BITS:
+            raise LayercutError(f"quantize: bits for {name} must be one of {SUPPORTED_BITS}, got {b}")
+    group_bits: dict[tuple[int, int], set[int]] = {}
+    for i, g, name, _ in targets:
+        group_bits.setdefault((i, g), set()).add((bits or {}).get(name, cfg.bits))
+    for (i, g), widths in group_bits.items():
+        if len(widths) > 1:
+            raise LayercutError(f"quantize: layer {i}: {', '.join(spec.groups[g])} get bits {sorted(widths)}; "
+                                "projections that servers fuse must share one bit width")
+    for _, _, name, module in targets:
+        if not hasattr(module, "weight") or module.weight.dim() != 2:
+            raise LayercutError(f"quantize: {name} is not a dense linear layer ({type(module).__name__})")
+        in_f = linear_weight(module, spec.conv1d).shape[1]
+        if cfg.group_size != -1 and in_f % cfg.group_size:
+            raise LayercutError(
+                f"quantize: group size {cfg.group_size} does not divide in_features={in_f} of {name}; "
+                f"use a divisor of every layer's input size or -1"
+            )
+        if not torch.isfinite(module.weight).all():
+            raise LayercutError(f"quantize: {name} has NaN or Inf weights")
+    return targets
+
+
+# ------------------------------------------------------------------------ solving
+
+
+@contextlib.contextmanager
+def solver_threads(device: torch.device) -> Iterator[None]:
+    """One intra-op thread on CPU while solving: GPTQ's column loop is a chain of tiny
+    [out]-sized ops, and measured here (2 shared cores) 2 threads made it 5-10x slower."""
+    if device.type != "cpu":
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def solve(W: Tensor, H: Tensor | None, bits: int, cfg: QuantConfig) -> QuantResult:
+    """Quantize one weight W [out, in] with ``cfg.method`` (H [in, in] may be None for RTN)."""
+    with solver_threads(W.device):
+        return _solve(W, H, bits, cfg)
+
+
+def output_loss(W: Tensor, W_hat: Tensor, H: Tensor) -> float:
+    """½ tr((Ŵ − W) H (Ŵ − W)ᵀ), undamped, in float32: W, Ŵ [out, in], H [in, in]."""
+    D = (W_hat - W).float()
+    return float(((D @ H.to(device=D.device, dtype=torch.float32)) * D).sum() / 2)
+
+
+def solve_group(Ws: list[Tensor], H: Tensor | None, bits: int, cfg: QuantConfig) -> list[QuantResult]:
+    """Quantize linears that share one input (hence one H) in a single call.
+
+    GPTQ treats the rows of W independently given H (Frantar et al. 2022, §3: the
+    Hessian is the same for every row), so stacking q/k/v (or gate/up) along ``out``
+    is the same computation as one call per linear, but inverts H once and runs the
+    column loop once. ``loss`` of each part is its undamped ½ tr(ΔW H ΔWᵀ) (NaN for RTN).
+    """
+    res = solve(torch.cat(Ws) if len(Ws) > 1 else Ws[0], H, bits, cfg)
+    out, r0 = [], 0
+    for W in Ws:
+        r1 = r0 + W.shape[0]
+        part = QuantResult(q=res.q[r0:r1], scales=res.scales[:, r0:r1], zeros=res.zeros[:, r0:r1], g_idx=res.g_idx.clone(),
+                           dequant=res.dequant[r0:r1], loss=float("nan"), damp_used=res.damp_used, bits=bits,
+                           group_size=res.group_size)
+        if H is not None:
+            part.loss = output_loss(W, part.dequant, H)
+        out.append(part)
+        r0 = r1
+    return out
+
+
+def _solve(W: Tensor, H: Tensor | None, bits: int, cfg: QuantConfig) -> QuantResult:
+    if cfg.method == "rtn":
+        return rtn_quantize(W, bits, cfg.group_size, cfg.sym, H=H)
+    return gptq_quantize(
+        W, H, bits, cfg.group_size, sym=cfg.sym, act_order=cfg.act_order,
+        static_groups=cfg.static_groups, damp=cfg.damp, block_size=cfg.block_size,
+    )
+
+
+def _record(name: str, res: QuantResult, W: Tensor) -> QuantizedLinear:
+    packed = pack_gptq(res.q.cpu(), res.zeros.cpu(), res.scales.cpu(), res.g_idx.cpu(), res.bits)
+    return QuantizedLinear(name, res.bits, res.group_size, W.shape[1], W.shape[0], packed, res.loss, res.damp_used)
+
+
+class HessianSet:
+    """Running Hessians of the inputs of some groups of one block, filled by forward hooks.
+
+    Each micro-batch's 2/m Σ x xᵀ is computed in float32 (the costly product, [in, in])
+    and merged into a float64 running mean, so N never limits precision.
+    """
+
+    def __init__(self, run: BlockRun, groups: tuple[int, ...]):
+        self.run, self.groups = run, groups
+        self.H: dict[int, Tensor | None] = {g: None for g in groups}
+        self.n: dict[int, int] = {g: 0 for g in groups}
+
+    def hooks(self) -> dict:
+        return {self.run.spec.groups[g][0]: self._hook(g) for g in self.groups}
+
+    def _hook(self, g: int):
+        def fn(i: int, x: Tensor, _y: Tensor) -> None:
+            Hb, m = hessian_update(None, 0, x.float(), self.run.masks[i], dtype=torch.float32)
+            if m == 0:
+                return
+            n = self.n[g]
+            Hb = Hb.double()
+            self.H[g] = Hb if self.H[g] is None else self.H[g] * (n / (n + m)) + Hb * (m / (n + m))
+            self.n[g] = n + m
+
+        return fn
+
+    def collect(self) -> None:
+        self.run.forward(hooks=self.hooks())
+
+    def get(self, g: int, where: str) -> Tensor:
+        H = self.H[g]
+        if H is None or self.n[g] == 0:
+            raise LayercutError(f"quantize: no calibration tokens reached {where} (all padding?)")
+        if not torch.isfinite(H).all():
+            raise LayercutError(f"quantize: the Hessian of {where} has NaN/Inf (non-finite activations: "
+                                "check the model in float32 and the calibration data)")
+        return H
+
+
+# ------------------------------------------------------------------------- driver
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module,
+    calib: CalibSet | None,
+    cfg: QuantConfig,
+    bits: Mapping[str, int] | None = None,
+    batch_size: int = 8,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+) -> QuantizeResult:
+    """Quantize every target linear of ``model`` in place (weights ← dequantized GPTQ weights).
+
+    ``bits`` maps full linear names (``model.layers.3.mlp.down_proj``) to their bit width;
+    the rest get ``cfg.bits``. ``calib`` [N, L] tokens drive the Hessians (not needed for
+    RTN). ``device``: where each block runs and is solved (e.g. ``"cuda"``; default: the
+    model's device). Returns the packed tensors of each linear for
+    :func:`compress.quant.checkpoint.save_quantized`.
+    """
+    targets = check_model(model, cfg, bits)
+    bits = dict(bits or {})
+    spec = arch_for(model)
+    result = QuantizeResult(config=cfg)
+    start = time.perf_counter()
+
+    if cfg.method == "rtn":
+        for _, _, name, module in targets:
+            W = linear_weight(module, spec.conv1d).detach()
+            dev = torch.device(device) if device is not None else W.device
+            t0 = time.perf_counter()
+            res = solve(W.to(dev), None, bits.get(name, cfg.bits), cfg)
+            result.solve_seconds += time.perf_counter() - t0
+            set_weight(module, res.dequant.to(W.device), spec.conv1d)
+            result.layers[name] = _record(name, res, W)
+        result.seconds = time.perf_counter() - start
+        return result
+
+    if calib is None:
+        raise LayercutError("quantize: GPTQ needs calibration data")
+    by_block: dict[int, list[tuple[int, str, nn.Module]]] = {}
+    for i, g, name, module in targets:
+        by_block.setdefault(i, []).append((g, name, module))
+
+    def on_block(run: BlockRun) -> None:
+        for stage in SEQUENTIAL[cfg.sequential]:
+            stage = tuple(g for g in stage if g < len(spec.groups))
+            if not stage:
+                continue
+            hs = HessianSet(run, stage)
+            hs.collect()
+            for g in stage:
+                items = [(name, module) for gg, name, module in by_block[run.index] if gg == g]
+                H = hs.get(g, ", ".join(name for name, _ in items))
+                Ws = [linear_weight(module, spec.conv1d).detach() for _, module in items]
+                t0 = time.perf_counter()
+                parts = solve_group(Ws, H.to(Ws[0].device), bits.get(items[0][0], cfg.bits), cfg)
+                result.solve_seconds += time.perf_counter() - t0
+                for (name, module), W, res in zip(items, Ws, parts):
+                    set_weight(module, res.dequant, spec.conv1d)
+                    result.layers[name] = _record(name, res, W)
+                result.tokens = hs.n[g]
+        run.invalidate()  # the next block sees this block's quantized outputs
+
+    run_blocks(model, calib, [on_block], batch_size=batch_size, device=device, progress=progress, desc="gptq")
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def to_quant_linears(model: nn.Module, result: QuantizeResult) -> nn.Module:
+    """Swap each quantized linear of ``model`` for a :class:`~compress.quant.qlinear.QuantLinear`
+    holding its packed tensors (the model then runs the GPTQ op; weights are freed)."""
+    from compress.quant.qlinear import QuantLinear
+
+    # QuantLinear computes x @ Wᵀ with W [out, in]: the same map as a GPT-2 Conv1D's x @ weight
+    for name, ql in result.layers.items():
+        module = model.get_submodule(name)
+        new = QuantLinear(ql.in_features, ql.out_features, ql.bits, ql.group_size,
+                          bias=module.bias is not None, device="meta")
+        state = dict(ql.tensors)
+        if module.bias is not None:
+            state["bias"] = module.bias.detach().to(torch.float16)
+        dev = module.weight.device
+        new.load_state_dict({k: v.to(dev) for k, v in state.items()}, assign=True)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
+    return model

@@ -1,0 +1,237 @@
+"""Recipes: one strict, versioned description of a whole compression run.
+
+Usage::
+
+    layercut run recipes/smollm2-demo.yaml -o runs/demo
+
+    from compress.recipe import Recipe, PruneStage, EvalStage
+    recipe = Recipe.from_yaml("recipes/smollm2-demo.yaml")       # or build it in Python:
+    recipe = Recipe(model="bundled:smollm2-135m", stages=[PruneStage(drop=0.25), EvalStage()])
+    print(recipe.to_yaml())                                      # the resolved recipe round-trips
+
+A recipe is YAML with a ``version``, a ``model`` and an ordered list of ``stages``; each
+stage is a one-key mapping ``{name: {options}}`` whose options are those of the stage's
+CLI command (``--group-size`` becomes ``group_size``). Validation is strict (pydantic,
+``extra="forbid"``, no type coercion): an unknown key names the key and the keys allowed
+there, a wrong type names the field, and a stage order that makes no sense (quantize
+before prune, heal after quantize, anything but eval after export) is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from compress.errors import LayercutError
+from compress.recipe_stages import (
+    STAGE_TYPES,
+    EvalStage,
+    ExportStage,
+    HealStage,
+    PruneStage,
+    QuantizeStage,
+    ScoreStage,
+    Strict,
+)
+
+RECIPE_VERSION = 1
+
+StageConfig = Annotated[
+    ScoreStage | PruneStage | HealStage | QuantizeStage | ExportStage | EvalStage,
+    Field(discriminator="stage"),
+]
+
+__all__ = [
+    "Recipe", "StageConfig", "ScoreStage", "PruneStage", "HealStage", "QuantizeStage", "ExportStage",
+    "EvalStage", "load_recipe", "RECIPE_VERSION", "STAGE_TYPES",
+]
+
+class Recipe(Strict):
+    """The whole run: source model, seed and the ordered stages."""
+
+    version: int = RECIPE_VERSION
+    model: str = Field(min_length=1)
+    name: str | None = None
+    seed: int = 0
+    trust_remote_code: bool = False
+    stages: list[StageConfig] = Field(min_length=1)
+
+
+    @field_validator("version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v != RECIPE_VERSION:
+            raise ValueError(f"recipe version {v} is not supported (this layercut reads version {RECIPE_VERSION})")
+        return v
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _stage_mappings(cls, items: Any) -> Any:
+        """Turn YAML's ``- prune: {...}`` into ``{"stage": "prune", ...}`` for the tagged union."""
+        if not isinstance(items, list):
+            return items
+        names = ", ".join(STAGE_TYPES)
+        out = []
+        for i, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                out.append(item)
+                continue
+            if isinstance(item, str) and item in STAGE_TYPES:
+                item = {item: None}
+            if not isinstance(item, dict):
+                raise ValueError(f"stages[{i}]: expected a mapping like '- prune: {{...}}' (stages: {names})")
+            if "stage" in item:
+                if item["stage"] not in STAGE_TYPES:
+                    raise ValueError(f"stages[{i}]: unknown stage '{item['stage']}' (stages: {names})")
+                out.append(item)
+                continue
+            if len(item) != 1:
+                raise ValueError(f"stages[{i}]: a stage is one key, its name (got {', '.join(map(str, item))}; "
+                                 f"stages: {names})")
+            (name, options), = item.items()
+            if name not in STAGE_TYPES:
+                raise ValueError(f"stages[{i}]: unknown stage '{name}' (stages: {names})")
+            if options is None:
+                options = {}
+            if not isinstance(options, dict):
+                raise ValueError(f"stages[{i}].{name}: options must be a mapping, got {type(options).__name__}")
+            if "stage" in options:
+                raise ValueError(f"stages[{i}].{name}: unknown key 'stage' "
+                                 f"(allowed: {', '.join(STAGE_TYPES[name].option_names())})")
+            out.append({"stage": name, **options})
+        return out
+
+    @model_validator(mode="after")
+    def _stage_order(self) -> Recipe:
+        names = [s.stage for s in self.stages]
+        check_stage_order(names)
+        for i, s in enumerate(self.stages):
+            if s.stage == "export" and s.dequantize and "quantize" not in names[:i]:
+                raise ValueError(f"stages[{i}].export: dequantize needs a quantize stage before it")
+        return self
+
+    # ---- round trip -------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """Plain data in the YAML layout, every default filled in (the resolved recipe)."""
+        data = self.model_dump(mode="json", exclude={"stages"})
+        data["stages"] = [{s.stage: s.model_dump(mode="json", exclude={"stage"})} for s in self.stages]
+        return data
+
+    def to_yaml(self) -> str:
+        return yaml.dump(self.to_dict(), Dumper=_Dumper, sort_keys=False, width=100)
+
+    @classmethod
+    def from_dict(cls, data: Any, origin: str = "recipe") -> Recipe:
+        if not isinstance(data, dict):
+            raise LayercutError(f"{origin}: a recipe is a mapping with version, model and stages "
+                                f"(got {type(data).__name__})")
+        if "version" not in data:
+            raise LayercutError(f"{origin}: missing required key 'version' (this layercut reads version "
+                                f"{RECIPE_VERSION})")
+        if data.get("stages") == []:
+            raise LayercutError(f"{origin}: stages: the recipe has no stages")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise LayercutError(f"{origin}: {format_validation_error(exc, data)}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> Recipe:
+        return load_recipe(path)
+
+
+def check_stage_order(names: list[str]) -> None:
+    """Refuse orders that cannot be right; raise ValueError naming the offending stages.
+
+    score, prune and heal work on dense weights and may alternate (prune, heal, prune,
+    heal); heal needs something to heal; quantize comes after all of them, once; only
+    eval may follow export; eval may go anywhere.
+    """
+    hints = {
+        "prune": "prune dense weights first, then quantize",
+        "heal": "LoRA healing needs dense weights: heal before quantize",
+        "score": "score the dense model, before quantize",
+        "quantize": "quantize once",
+    }
+    quantized = exported = None
+    for i, name in enumerate(names):
+        if exported is not None and name != "eval":
+            raise ValueError(f"stage order: '{name}' (stages[{i}]) after export (stages[{exported}]); "
+                             "only eval may follow export")
+        if quantized is not None and name in hints:
+            raise ValueError(f"stage order: '{name}' (stages[{i}]) after 'quantize' (stages[{quantized}]) "
+                             f"is not allowed ({hints[name]})")
+        if name == "heal" and "prune" not in names[:i]:
+            raise ValueError(f"stage order: 'heal' (stages[{i}]) has nothing to heal: put a prune stage before it")
+        if name == "quantize":
+            quantized = i
+        if name == "export":
+            exported = i
+
+
+def load_recipe(path: str | os.PathLike) -> Recipe:
+    """Read and validate a recipe file; every problem is one :class:`LayercutError` line."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise LayercutError(f"recipe not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise LayercutError(f"{p}: invalid YAML{where}: {problem}") from None
+    except UnicodeDecodeError:
+        raise LayercutError(f"{p}: not a text file") from None
+    if data is None:
+        raise LayercutError(f"{p}: empty recipe (needs version, model and stages)")
+    return Recipe.from_dict(data, origin=str(p))
+
+
+def format_validation_error(exc: ValidationError, data: Any) -> str:
+    """The first pydantic error as one line: ``stages[1].quantize.bits: <message>``."""
+    errors = exc.errors(include_url=False)
+    err = errors[0]
+    loc = _loc_text(err["loc"], data)
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if err["type"] == "missing":
+        parent, _, key = loc.rpartition(".")
+        msg, loc = f"missing required key '{key}'", parent
+    elif err["type"] == "extra_forbidden":  # our before-validator normally catches these first
+        parent, _, key = loc.rpartition(".")
+        msg, loc = f"unknown key '{key}'", parent
+    elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
+        msg = f"{msg} (got {err['input']!r})"
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    prefix = f"{loc}: " if loc and not msg.startswith(loc) else ""
+    return f"{prefix}{msg}{more}"
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style, except lists of scalars which read better inline: ``bits: [2, 3, 4]``."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, data: list) -> yaml.Node:
+    flow = all(not isinstance(x, (dict, list)) for x in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+
+_Dumper.add_representer(list, _represent_list)
+
+
+def _loc_text(loc: tuple, data: Any) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts[-1:] = [f"{parts[-1] if parts else ''}[{item}]"]
+        elif item.startswith("function-") or item in ("model-validator",):
+            continue
+        else:
+            parts.append(item)
+    return ".".join(parts)

@@ -1,0 +1,250 @@
+"""Export a checkpoint for release: sharded safetensors + index, config, tokenizer, card.
+
+Usage::
+
+    layercut export runs/demo -o smollm2-demo-release                 # a run dir or a checkpoint dir
+    layercut export runs/demo/04-quantize/model -o dense --dequantize  # dense weights from GPTQ
+
+    from export.export import export_checkpoint
+    export_checkpoint("runs/demo/04-quantize/model", "release", dtype="float16")
+
+Dense inputs are loaded and re-saved with ``save_pretrained`` (optionally cast to
+``dtype``); quantized (GPTQ) inputs are copied file by file, so their bytes are what the
+quantize stage wrote, or dequantized into a dense model with ``dequantize=True``. Either
+way the weights end up as ``model-XXXXX-of-YYYYY.safetensors`` with a
+``model.safetensors.index.json`` (also for a single shard), each file's metadata
+``{"format": "pt"}``. The result is written atomically (:func:`export.checkpoint.atomic_dir`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from compress.errors import LayercutError
+from compress.recipe_stages import check_size
+from export.checkpoint import atomic_dir, check_output_dir
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+INDEX = "model.safetensors.index.json"
+# Files of a checkpoint that are not weights but travel with it (tokenizer, generation, GPTQ configs).
+# What an export writes itself (from the run), never copied over from the input checkpoint.
+_OWN_FILES = ("README.md", "report.json", "recipe.yaml")
+_SIDE_SUFFIXES = (".json", ".txt", ".model", ".py", ".jinja", ".tiktoken", ".yaml", ".md", ".png")
+
+
+@dataclass
+class ExportResult:
+    path: str
+    quantized: bool
+    dequantized: bool
+    files: list[str]
+    bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def probe_writable(target: str | os.PathLike) -> None:
+    """Fail early, with one line, if ``target`` cannot be created: really try (root ignores modes)."""
+    parent = Path(target).expanduser().absolute().parent
+    probe = parent if parent.exists() else next((p for p in parent.parents if p.exists()), Path("/"))
+    if not probe.is_dir():
+        raise LayercutError(f"output parent {probe} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".layercut-probe-", dir=probe))
+    except OSError as exc:
+        raise LayercutError(f"output location {probe} is not writable ({exc.strerror})") from None
+
+
+def read_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise LayercutError(f"{path} has no config.json: not a Hugging Face model directory") from None
+    except json.JSONDecodeError as exc:
+        raise LayercutError(f"{path}/config.json is not valid JSON ({exc.msg})") from None
+
+
+def is_quantized(path: str | os.PathLike) -> bool:
+    return read_config(Path(path)).get("quantization_config") is not None
+
+
+def export_checkpoint(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dequantize: bool = False,
+    dtype: str | None = None,
+    max_shard_size: str = "2GB",
+    trust_remote_code: bool = False,
+    extra_files: dict[str, str | bytes] | None = None,
+    overwrite: bool = False,
+) -> ExportResult:
+    """Write ``src`` (a checkpoint dir) to ``out`` as a release checkpoint; nothing is left on failure."""
+    src_path = _check_inputs(src, dequantize, dtype, max_shard_size)
+    check_output_dir(out, overwrite)
+    probe_writable(out)
+    with atomic_dir(out, overwrite) as tmp:
+        result = write_export_into(src_path, tmp, dequantize=dequantize, dtype=dtype,
+                                   max_shard_size=max_shard_size, trust_remote_code=trust_remote_code,
+                                   extra_files=extra_files)
+    result.path = str(Path(out))
+    return result
+
+
+def _check_inputs(src: str | os.PathLike, dequantize: bool, dtype: str | None, max_shard_size: str) -> Path:
+    from compress.models import resolve_model
+
+    path = resolve_model(src)
+    quantized = is_quantized(path)
+    if dequantize and not quantized:
+        raise LayercutError(f"--dequantize: {path} is not quantized (no quantization_config in config.json)")
+    if dtype is not None and dtype not in DTYPES:
+        raise LayercutError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
+    if quantized and dtype is not None and not dequantize:
+        raise LayercutError("--dtype applies to dense weights: a GPTQ checkpoint keeps its packing "
+                            "(add --dequantize for dense weights in that dtype)")
+    try:
+        check_size(max_shard_size)
+    except ValueError as exc:
+        raise LayercutError(f"--max-shard-size: {exc}") from None
+    return path
+
+
+def write_export_into(
+    src: Path,
+    folder: Path,
+    *,
+    dequantize: bool = False,
+    dtype: str | None = None,
+    max_shard_size: str = "2GB",
+    trust_remote_code: bool = False,
+    extra_files: dict[str, str | bytes] | None = None,
+) -> ExportResult:
+    """The non-atomic part of :func:`export_checkpoint`, for callers that own the temp dir."""
+    quantized = is_quantized(src)
+    if quantized and not dequantize:
+        _copy_checkpoint(src, folder)
+    else:
+        from compress.models import load_model
+
+        model, tokenizer = load_model(src, trust_remote_code=trust_remote_code)
+        if dequantize:
+            dequantize_model(model)
+        if dtype is not None:
+            model.to(DTYPES[dtype])
+            model.config.dtype = DTYPES[dtype]
+        model.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(folder)
+        # a dense result must not carry a GPTQ config that loaders would act on
+        _copy_side_files(src, folder, skip_existing=True, skip=("quantize_config.json",) if dequantize else ())
+    ensure_index(folder)
+    for name, content in (extra_files or {}).items():
+        (folder / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    return ExportResult(str(folder), quantized, dequantize, files, size)
+
+
+def _copy_checkpoint(src: Path, folder: Path) -> None:
+    for item in sorted(src.iterdir()):
+        if item.name.startswith(".") or not item.is_file() or item.name in _OWN_FILES:
+            continue
+        shutil.copyfile(item, folder / item.name)
+
+
+def _copy_side_files(src: Path, folder: Path, skip_existing: bool, skip: tuple[str, ...] = ()) -> None:
+    """Tokenizer/modeling files ``save_pretrained`` does not rewrite (never weights, never our card)."""
+    for item in sorted(src.iterdir()):
+        if not item.is_file() or item.name.startswith(".") or item.suffix == ".safetensors" or item.name in skip:
+            continue
+        if item.name in (INDEX, *_OWN_FILES) or not item.name.endswith(_SIDE_SUFFIXES):
+            continue
+        if skip_existing and (folder / item.name).exists():
+            continue
+        shutil.copyfile(item, folder / item.name)
+
+
+def dequantize_model(model: nn.Module) -> int:
+    """Replace every GPTQ ``QuantLinear`` by a dense layer holding its dequantized weight.
+
+    GPT-2 style models get ``Conv1D`` back (weight stored transposed, [in, out]). Drops
+    ``config.quantization_config``. Returns the number of layers replaced.
+    """
+    from compress.arch import arch_for
+    from compress.quant.qlinear import QuantLinear
+
+    conv1d = arch_for(model).conv1d
+    count = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, QuantLinear):
+            continue
+        weight = module.dequantize()  # [out, in] float32
+        bias = module.bias.float() if module.bias is not None else None
+        if conv1d:
+            from transformers.pytorch_utils import Conv1D
+
+            dense = Conv1D(module.out_features, module.in_features)
+            dense.weight.data = weight.T.contiguous()
+            dense.bias.data = bias if bias is not None else torch.zeros(module.out_features)
+        else:
+            dense = nn.Linear(module.in_features, module.out_features, bias=bias is not None)
+            dense.weight.data = weight.contiguous()
+            if bias is not None:
+                dense.bias.data = bias
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, dense)
+        count += 1
+    if count == 0:
+        raise LayercutError("no quantized layers found to dequantize")
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    for attr in ("is_quantized", "quantization_method", "hf_quantizer"):
+        if getattr(model, attr, None) is not None:
+            try:
+                setattr(model, attr, None if attr != "is_quantized" else False)
+            except AttributeError:
+                pass
+    return count
+
+
+def ensure_index(folder: Path) -> None:
+    """Give a single-file checkpoint the sharded layout: ``model-00001-of-00001`` + index."""
+    single = folder / "model.safetensors"
+    if (folder / INDEX).exists() or not single.exists():
+        return
+    shard = "model-00001-of-00001.safetensors"
+    os.replace(single, folder / shard)
+    header = _safetensors_header(folder / shard)
+    total = sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    index = {"metadata": {"total_size": total}, "weight_map": {k: shard for k in sorted(header) if k != "__metadata__"}}
+    (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        return json.loads(fh.read(length))
+
+
+def weight_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def check_pt_metadata(folder: Path) -> list[str]:
+    """Weight files whose metadata lacks ``{"format": "pt"}`` (empty list when all are fine)."""
+    bad = []
+    for f in weight_files(folder):
+        meta = _safetensors_header(f).get("__metadata__") or {}
+        if meta.get("format") != "pt":
+            bad.append(f.name)
+    return bad

@@ -1,0 +1,119 @@
+"""Healing data: token windows, their per-step order, and the teacher's top-k cache.
+
+Usage::
+
+    from heal.data import heal_data, build_topk_cache, HealDataset
+    data = heal_data(tokenizer, cfg)                          # CalibSet [N, seq_len]
+    cache = build_topk_cache(teacher, data, k=64)             # teacher runs once, then can go
+    ds = HealDataset(data, total=cfg.steps * cfg.batch, seed=cfg.seed, cache=cache)
+
+Windows come from :func:`calibrate.data.calibration_batch` with the run's seed and an
+offset (``HealConfig.offset``: 300,000 tokens into the bundled Brown calibration stream,
+past everything a default calibration draw reads), with BOS prepended like the eval
+protocol does. The evaluation text (``bundled:brown-heldout``) is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+
+from calibrate.data import CalibSet, calibration_batch
+from compress.errors import LayercutError
+from heal.config import HealConfig
+from heal.losses import teacher_topk
+
+HELD_OUT = "bundled:brown-heldout"
+
+
+def heal_data(tokenizer, cfg: HealConfig) -> CalibSet:
+    """``cfg.num_samples`` windows of ``cfg.seq_len`` tokens ([BOS] + text when there is a BOS)."""
+    if cfg.data.strip() == HELD_OUT:
+        raise LayercutError(f"{HELD_OUT} is the evaluation text; heal on other data (default bundled:brown-calib)")
+    bos = tokenizer.bos_token_id
+    body = cfg.seq_len - 1 if bos is not None else cfg.seq_len
+    calib = calibration_batch(tokenizer, cfg.data, samples=cfg.num_samples, seq_len=body,
+                              seed=cfg.seed, offset=cfg.offset)
+    if int(calib.attention_mask.sum()) < 2:
+        raise LayercutError(f"heal data '{cfg.data}' is empty after tokenization")
+    if bos is None:
+        return calib
+    n = calib.num_samples
+    ids = torch.cat([torch.full((n, 1), bos, dtype=torch.long), calib.input_ids], dim=1)
+    mask = torch.cat([torch.ones((n, 1), dtype=torch.long), calib.attention_mask], dim=1)
+    return CalibSet(ids, mask)
+
+
+def sample_order(n_samples: int, total: int, seed: int) -> torch.Tensor:
+    """Which sample each of ``total`` draws uses: fresh permutations of N, seeded. [total] long."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    epochs = (total + n_samples - 1) // n_samples
+    return torch.cat([torch.randperm(n_samples, generator=gen) for _ in range(epochs)])[:total]
+
+
+@dataclass
+class TopKCache:
+    """The teacher's top-k log-probs for every token of a heal data set.
+
+    logp [N, L, k] float32, idx [N, L, k] int32, tail_logp [N, L] float32; memory is
+    N·L·(8k + 4) bytes (e.g. 800 × 256 tokens at k = 64: 105 MB).
+    """
+
+    logp: torch.Tensor
+    idx: torch.Tensor
+    tail_logp: torch.Tensor
+    temperature: float
+    vocab: int
+
+    @property
+    def k(self) -> int:
+        return int(self.logp.shape[-1])
+
+    def check(self, data: CalibSet, vocab: int, temperature: float) -> None:
+        if tuple(self.logp.shape[:2]) != tuple(data.input_ids.shape):
+            raise LayercutError(f"top-k cache covers {tuple(self.logp.shape[:2])} tokens but the heal data is "
+                                f"{tuple(data.input_ids.shape)}; rebuild it for this config")
+        if self.vocab != vocab:
+            raise LayercutError(f"top-k cache is over {self.vocab} tokens, the student has {vocab} logits")
+        if self.temperature != temperature:
+            raise LayercutError(f"top-k cache was built at temperature {self.temperature}, config asks {temperature}")
+
+
+@torch.no_grad()
+def build_topk_cache(teacher: torch.nn.Module, data: CalibSet, k: int, temperature: float = 1.0,
+                     batch_size: int = 4, progress: bool = True) -> TopKCache:
+    """Run the teacher once over ``data`` and keep its top-k log-probs (see heal.losses)."""
+    teacher.eval()
+    device = next(teacher.parameters()).device
+    logps, idxs, tails = [], [], []
+    vocab = 0
+    for ids, mask in tqdm(data.split(batch_size), desc="teacher top-k", unit="batch", disable=not progress):
+        logits = teacher(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+        vocab = int(logits.shape[-1])
+        top = teacher_topk(logits, k, temperature)
+        logps.append(top.logp.cpu())
+        idxs.append(top.idx.to(torch.int32).cpu())
+        tails.append(top.tail_logp.cpu())
+        del logits
+    return TopKCache(torch.cat(logps), torch.cat(idxs), torch.cat(tails), float(temperature), vocab)
+
+
+class HealDataset(Dataset):
+    """Item i = the sample drawn at position i of the training order (with its top-k if cached)."""
+
+    def __init__(self, data: CalibSet, total: int, seed: int, cache: TopKCache | None = None):
+        self.data, self.cache = data, cache
+        self.order = sample_order(data.num_samples, total, seed)
+
+    def __len__(self) -> int:
+        return int(self.order.numel())
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        j = int(self.order[i])
+        item = {"input_ids": self.data.input_ids[j], "attention_mask": self.data.attention_mask[j]}
+        if self.cache is not None:
+            item.update(topk_logp=self.cache.logp[j], topk_idx=self.cache.idx[j], tail_logp=self.cache.tail_logp[j])
+        return item

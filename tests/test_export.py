@@ -1,0 +1,83 @@
+"""``layercut export``: sharded layout with index, format=pt metadata, dtype cast, card, and
+dense-from-GPTQ (dequantize) that stock transformers loads with the quantized model's outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from compress.cli import main
+from export.export import INDEX, check_pt_metadata
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def test_export_dense_float16_with_index_and_card(tiny_model_dir, tmp_path, capsys):
+    src = tiny_model_dir("llama")
+    out = tmp_path / "release"
+    assert main(["export", str(src), "-o", str(out), "--dtype", "float16", "--max-shard-size", "200KB",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 1 and shards[0].startswith("model-00001-of-")
+    index = json.loads((out / INDEX).read_text())
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert check_pt_metadata(out) == []
+    assert "README.md" in result["files"] and (out / "README.md").read_text().startswith("---\n")
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.float16
+
+
+def test_single_shard_gets_an_index(tiny_model_dir, tmp_path):
+    from export.export import export_checkpoint
+
+    res = export_checkpoint(tiny_model_dir("llama"), tmp_path / "one")
+    assert "model-00001-of-00001.safetensors" in res.files and INDEX in res.files
+    assert not (tmp_path / "one" / "model.safetensors").exists()
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_model_dir, tmp_path_factory):
+    from compress.quant.run import quantize_checkpoint
+
+    out = tmp_path_factory.mktemp("q") / "q4"
+    quantize_checkpoint(str(tiny_model_dir("llama")), out, bits=4, group_size=32, samples=4, seq_len=32,
+                        progress=False)
+    return out
+
+
+def test_dequantize_matches_the_quantized_model(quantized, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from compress.models import load_model
+
+    out = tmp_path / "dense"
+    assert main(["export", str(quantized), "-o", str(out), "--dequantize", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["quantized"] and result["dequantized"]
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and not (out / "quantize_config.json").exists()
+    assert "dequantized to dense" in (out / "README.md").read_text()
+    dense = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    qmodel, _ = load_model(quantized)
+    ids = torch.randint(4, 300, (2, 16))
+    torch.testing.assert_close(_logits(dense, ids), _logits(qmodel, ids), rtol=1e-3, atol=1e-3)
+
+
+def test_quantized_export_copies_bytes(quantized, tmp_path):
+    from export.export import export_checkpoint
+
+    export_checkpoint(quantized, tmp_path / "copy")
+    for f in quantized.glob("*.safetensors"):
+        assert (tmp_path / "copy" / f.name).read_bytes() == f.read_bytes()
+    with pytest.raises(Exception, match="keeps its packing"):
+        export_checkpoint(quantized, tmp_path / "bad", dtype="float16")
+    assert not (tmp_path / "bad").exists()
