@@ -80,7 +80,11 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--json-out", default=str(ROOT / "benchmarks/results/depth.json"))
     ap.add_argument("--md-out", default=str(ROOT / "docs/results-depth.md"))
+    ap.add_argument("--from-json", help="only rewrite the markdown from a results JSON")
     args = ap.parse_args()
+    if args.from_json:
+        Path(args.md_out).write_text(markdown(json.loads(Path(args.from_json).read_text())))
+        return
     torch.manual_seed(0)
     wall0 = time.perf_counter()
     model_dir = resolve_model(args.model)
@@ -114,12 +118,14 @@ def main() -> None:
     spec_blocks = arch_for(orig).layers_of(orig)
     L = len(spec_blocks)
     fitters = {
-        "angular+lstsq": SpanFitter(plan_spans(angular, L), "lstsq", total_tokens=total),
-        "angular+cosine": SpanFitter(plan_spans(angular, L), "cosine", total_tokens=total),
-        "angular+cosine (paper's simplified objective)": SpanFitter(plan_spans(angular, L), "cosine",
-                                                                    total_tokens=total, cosine_target="residual"),
-        "BI+lstsq": SpanFitter(plan_spans(bi_repl, L), "lstsq", total_tokens=total),
-        "BI+cosine": SpanFitter(plan_spans(bi_repl, L), "cosine", total_tokens=total),
+        "angular+lstsq": SpanFitter(plan_spans(angular, L), "lstsq", stream="original", total_tokens=total),
+        "angular+cosine": SpanFitter(plan_spans(angular, L), "cosine", stream="original", total_tokens=total),
+        "angular+cosine (paper's simplified objective)": SpanFitter(
+            plan_spans(angular, L), "cosine", stream="original", total_tokens=total, cosine_target="residual"),
+        "BI+lstsq (original stream)": SpanFitter(plan_spans(bi_repl, L), "lstsq", stream="original",
+                                                 total_tokens=total),
+        "BI+cosine (original stream)": SpanFitter(plan_spans(bi_repl, L), "cosine", stream="original",
+                                                  total_tokens=total),
     }
     fuse_groups = plan_groups(angular, L)
     coeff = CoeffFitter(fuse_groups, spec_blocks, arch_for(orig), fit_samples=8, steps=25, lr=0.05)
@@ -201,13 +207,24 @@ def main() -> None:
 
 
 def markdown(result: dict) -> str:
+    rows = {r["row"]: r for r in result["rows"]}
+
+    def ppl(prefix: str) -> str:
+        hit = next((r for name, r in rows.items() if name.startswith(prefix)), None)
+        return f"{hit['ppl']:.1f}" if hit else "n/a"
+
+    cut = [r for r in result["rows"] if r["row"] != "original" and not r["row"].startswith("attention")]
+    best = min(cut, key=lambda r: r["ppl"])
+    bi = next(r for r in cut if r["row"].startswith("block-influence drop"))
     lines = [
         "# Depth compression results (SmolLM2-135M)",
         "",
         f"Model `{result['model']}` (30 blocks), held-out `{result['text']}`, ctx {result['ctx']}, "
-        f"{result['eval_tokens']} scored tokens; calibration {result['calibration']['samples']} × "
-        f"{result['calibration']['seq_len']} tokens of `bundled:brown-calib`; {result['machine']}. "
-        "No healing. KL = KL(original ‖ pruned) per token.",
+        f"{result['eval_tokens']} scored tokens (`evaluate(max_tokens=...)`, cut to fit a loaded CPU); "
+        f"calibration {result['calibration']['samples']} × {result['calibration']['seq_len']} tokens of "
+        f"`bundled:brown-calib`; {result['machine']}. No healing. KL = KL(original ‖ pruned) per token. "
+        "\"step s\" is the transform's own time (fits + merge + removal); the calibration passes that feed "
+        "the fits are shared between rows and listed below the table. tokens/s is noisy on a shared machine.",
         "",
         "| row | removed blocks | ppl | KL | params (M) | tokens/s | step s |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -215,8 +232,38 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         lines.append(f"| {r['row']} | {r['removed']} | {r['ppl']:.2f} | {r['kl']:.4f} | {r['params'] / 1e6:.1f} | "
                      f"{r['tokens_per_s']:.0f} | {r['step_s']:.1f} |")
-    lines += ["", "Shared driver passes (wall s): " + "; ".join(f"{k}: {v:.0f}" for k, v in result["passes_s"].items()),
-              "", "Regenerate with:", "", f"    {result['command']}", ""]
+    lines += [
+        "",
+        "Shared driver passes (wall s): " + "; ".join(f"{k}: {v:.0f}" for k, v in result["passes_s"].items())
+        + f". Whole benchmark: {result['wall_s'] / 60:.0f} min.",
+        "",
+        "## Reading it",
+        "",
+        f"- Best no-heal row at 8/30: **{best['row']}** (ppl {best['ppl']:.1f}) = "
+        f"{best['ppl'] / bi['ppl']:.2f} × the block-influence drop row ({bi['ppl']:.1f}); target ≤ 0.8.",
+        f"- Linear replacement beats plain drop on the same span with lstsq: angular span "
+        f"{ppl('angular drop')} → {ppl('angular+lstsq')}; block influence's spans {ppl('block-influence drop')} → "
+        f"{ppl('BI+lstsq')}. Several non-contiguous spans get one map each, fitted in one driver pass.",
+        f"- Stream positions: fitting later spans on the already-replaced stream (sequential, the CLI default) "
+        f"vs the original model's activations: {ppl('BI+lstsq (sequential')} vs {ppl('BI+lstsq (original')}.",
+        "- Massive activations: the first token of every sequence builds up ‖L − Y‖ ≈ 24 000 across blocks "
+        "11–18 (≈ 110 for other tokens). The paper's simplified cosine objective cos(M T, L − Y) is scale-free per token and "
+        f"cannot rebuild it ({ppl('angular+cosine (paper')}); the unsimplified cos(Y + M T, L) used by "
+        f"`--replace cosine` does ({ppl('angular+cosine')} on the angular span) but only ties plain drop on block "
+        f"influence's spans ({ppl('BI+cosine')}), where it disturbs that token's magnitudes. Prefer lstsq.",
+        f"- Fuse: LaCo's merge θ_l + Σ_k (θ_k − θ_l) over 8 blocks into one destroys the model "
+        f"({ppl('fuse (LaCo')}); the calibrated per-matrix coefficient goes to ≈ 0.01 (≈ plain drop) and still "
+        f"ends worse than dropping ({ppl('fuse (calibrated')} vs {ppl('angular drop')}).",
+        "- Attention-only drop: LLM-Drop's attention cosine picks far better layers than Gate-Norm on this model "
+        f"(8 layers: {ppl('attention drop 8, attn')} vs {ppl('attention drop 8, gate')}; 15 layers: "
+        f"{ppl('attention drop 15, attn')} vs {ppl('attention drop 15, gate')}). Attention-only outputs need "
+        "`trust_remote_code=True` (see the README written into them).",
+        "",
+        "Regenerate with:",
+        "",
+        f"    {result['command']}",
+        "",
+    ]
     return "\n".join(lines)
 
 

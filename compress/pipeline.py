@@ -206,7 +206,8 @@ def _run(recipe: Recipe, out: Path, source: Path, progress: bool) -> dict:
         records.append(record)
         _write_json_atomic(out / "report.json", _report(recipe, out, source, records, complete=False))
     _hook("finalize")
-    report = _report(recipe, out, source, records, complete=True)
+    # as stored: JSON types (int dict keys become strings), so the return value equals report.json
+    report = json.loads(json.dumps(_report(recipe, out, source, records, complete=True), default=str))
     _finalize_export(recipe, out, source, report)
     _write_json_atomic(out / "report.json", report)
     if progress:

@@ -109,7 +109,7 @@ class PruneStage(CalibOptions):
     layers: str | list[int] | None = None
     what: Literal["block", "attention", "mlp"] = "block"
     replace: Literal["none", "lstsq", "cosine"] = "none"
-    stream: Literal["original", "sequential"] = "original"
+    stream: Literal["original", "sequential"] = "sequential"
     alpha: float = Field(1e-4, ge=0.0)
     fuse: bool = False
     fuse_calibrate: bool = False

@@ -120,10 +120,14 @@ def assert_cached_generation_matches(model, steps=4):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
                          pad_token_id=0, return_dict_in_generate=True, output_logits=True)
     full = model(out.sequences, use_cache=False).logits
+    live = torch.ones(ids.shape[0], dtype=torch.bool)  # rows that have not emitted EOS yet (then padded)
+    eos = model.generation_config.eos_token_id
+    eos = torch.tensor([] if eos is None else eos if isinstance(eos, list) else [eos], dtype=torch.long)
     for step, logits in enumerate(out.logits):
         pos = ids.shape[1] - 1 + step
-        torch.testing.assert_close(logits, full[:, pos], atol=2e-4, rtol=2e-4)
-        assert torch.equal(out.sequences[:, pos + 1], full[:, pos].argmax(-1))
+        torch.testing.assert_close(logits[live], full[live, pos], atol=2e-4, rtol=2e-4)
+        assert torch.equal(out.sequences[live, pos + 1], full[live, pos].argmax(-1))
+        live &= ~torch.isin(out.sequences[:, pos + 1], eos)
 
 
 def _save(model, tmp_path, name="out"):
@@ -302,7 +306,7 @@ def test_cosine_replace_and_sequential_stream(calib):
         fits = fit_linear_maps(model, [2, 4], calib, method="cosine", cosine_steps=60, cosine_lr=1e-2,
                                cosine_target=target, batch_size=3, progress=False)
         assert all(f.cos_loss_map < f.cos_loss_drop for f in fits)
-    orig = fit_linear_maps(model, [2, 4], calib, alpha=0.0, progress=False)
+    orig = fit_linear_maps(model, [2, 4], calib, alpha=0.0, stream="original", progress=False)
     seq = fit_linear_maps(model, [2, 4], calib, alpha=0.0, stream="sequential", progress=False)
     torch.testing.assert_close(orig[0].t, seq[0].t)  # first span: same activations
     assert not torch.allclose(orig[1].t, seq[1].t)  # second span sees the replaced stream
@@ -401,3 +405,22 @@ def test_cli_bad_inputs_leave_nothing(family, args, message, tiny_model_dir, tmp
     assert rc == 2
     assert message in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # no output, no temp sibling
+
+
+@pytest.mark.slow
+def test_real_model_prune_outputs_load(tmp_path):
+    """SmolLM2: block drop loads in stock transformers; attention drop (gate-norm) with remote code."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.depth.prune import prune
+
+    blocks = prune("bundled:smollm2-135m", tmp_path / "blocks", layers="12-17,25,26", progress=False)
+    assert blocks["num_layers_after"] == 22
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "blocks").eval()
+    assert_cached_generation_matches(model, steps=3)
+    attn = prune("bundled:smollm2-135m", tmp_path / "attn", drop=4, select="gate-norm", what="attention",
+                 progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "attn", trust_remote_code=True,
+                                                 local_files_only=True).eval()
+    assert sorted(model.config.layercut_drop_attention) == attn["layers"]
+    assert_cached_generation_matches(model, steps=3)

@@ -67,7 +67,7 @@ def test_run_directory_layout_and_report(reference_run):
     model_dir, out, report = reference_run
     recipe = tiny_recipe(model_dir)
     assert (out / "recipe.yaml").read_text() == recipe.to_yaml()
-    assert report["complete"] and json.loads((out / "report.json").read_text()) == report
+    assert report["complete"] and json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
     names = [f"{i:02d}-{s.stage}" for i, s in enumerate(recipe.stages, 1)]
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == names
     for rec, name in zip(report["stages"], names):
@@ -240,3 +240,22 @@ def test_card_front_matter_and_tables(tmp_path):
     # unknown provenance: no base_model / license invented
     bare = yaml.safe_load(render_card(card_facts({"stages": []}, tmp_path)).split("---")[1])
     assert "base_model" not in bare and "license" not in bare
+
+
+def test_peak_rss_is_per_block():
+    import numpy as np
+    import psutil
+
+    from compress.resources import PeakRSS
+
+    before_mb = psutil.Process().memory_info().rss / 2**20
+    big = np.ones(40_000_000, dtype=np.float64)  # 320 MB, touched, then freed before the block
+    del big
+    with PeakRSS() as quiet:
+        pass
+    with PeakRSS() as busy:
+        data = np.ones(25_000_000, dtype=np.float64)  # 200 MB
+        del data
+    assert busy.peak_mb - quiet.peak_mb > 150
+    if quiet.method == "vmhwm":  # the 320 MB before the block do not count
+        assert quiet.peak_mb < before_mb + 150

@@ -353,7 +353,7 @@ def test_non_finite_hessian_fails_cleanly(tiny_tokenizer, tmp_path):
         model.model.layers[0].post_attention_layernorm.weight[3] = float("inf")  # MLP inputs blow up
     model.save_pretrained(src)
     tiny_tokenizer.save_pretrained(src)
-    with pytest.raises(LayercutError, match="Hessian of model.layers.0.mlp.gate_proj has NaN/Inf"):
+    with pytest.raises(LayercutError, match="Hessian of model.layers.0.mlp.gate_proj, model.layers.0.mlp.up_proj has NaN/Inf"):
         quantize_checkpoint(src, tmp_path / "out", bits=4, group_size=GS, samples=2, seq_len=16, progress=False)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 

@@ -366,7 +366,7 @@ def _last_json(capsys) -> dict:
 def test_cli_score_all_json_plot_output(tiny_model_dir, tmp_path, capsys):
     path = tiny_model_dir("llama")
     out, png = tmp_path / "o" / "scores.json", tmp_path / "scores.png"
-    rc = main(["score", str(path), "--method", "all", "--span", "2", "--samples", "4", "--seq-len", "16",
+    rc = main(["score", str(path), "--method", "all,swap-kl", "--span", "2", "--samples", "4", "--seq-len", "16",
                "--batch-size", "2", "--swap-samples", "2", "--json", "--plot", str(png), "-o", str(out)])
     assert rc == 0
     res = _last_json(capsys)

@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--what", default="block", help=f"what to remove: {' | '.join(WHATS)} (default: %(default)s)")
     p.add_argument("--replace", default="none",
                    help=f"repair each removed span with a linear map: {' | '.join(REPLACES)} (default: %(default)s)")
-    p.add_argument("--stream", default="original",
+    p.add_argument("--stream", default="sequential",
                    help="activations the maps are fitted on: original | sequential (default: %(default)s)")
     p.add_argument("--alpha", type=float, default=1e-4, help="lstsq ridge, relative to mean diag(MᵀM)")
     p.add_argument("--fuse", action="store_true", help="fold removed blocks into their neighbour (LaCo)")

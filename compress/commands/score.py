@@ -7,7 +7,7 @@ Examples::
     layercut score ./model --method block-influence --drop 8 --plot bi.png
 
 Methods: angular, angular-all, block-influence, attn-cosine, mlp-cosine, gate-norm,
-swap-kl, all. Every data-driven score comes from one capture-driver pass. ``--drop N``
+swap-kl, all (every method but swap-kl, which is slow: name it to add it). Every data-driven score comes from one capture-driver pass. ``--drop N``
 (default: ``--span``) adds the selected layers per method; ``--span`` defaults to
 ``--drop``. Everything is validated before any work; outputs are written only at the end,
 atomically.
@@ -48,7 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def parse_methods(text: str) -> list[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
     if "all" in names:
-        return list(METHODS)
+        # swap-kl needs full-model forwards per adjacent pair (tens of CPU-minutes on a
+        # 135M model): a diagnostic you ask for by name, not part of "all".
+        return [m for m in METHODS if m != "swap-kl"] + [m for m in names if m == "swap-kl"]
     unknown = [m for m in names if m not in METHODS]
     if unknown or not names:
         raise LayercutError(f"unknown score method '{text}' (choose from {', '.join(METHODS)}, all)")

@@ -192,7 +192,7 @@ def prune(
     samples: int = 64,
     seq_len: int = 512,
     batch_size: int = 8,
-    stream: str = "original",
+    stream: str = "sequential",
     alpha: float = 1e-4,
     overwrite: bool = False,
     progress: bool = True,

@@ -213,7 +213,8 @@ def write_quantized_into(
     weight_map = {}
     for i, (_, keys) in enumerate(split.filename_to_tensors.items(), 1):
         shard = f"model-{i:05d}-of-{n:05d}.safetensors"
-        save_file({k: state[k] for k in keys}, str(folder / shard), metadata={"format": "pt"})
+        # clone(): tied tensors (embed/lm_head) share storage, which save_file refuses.
+        save_file({k: state[k].contiguous().clone() for k in keys}, str(folder / shard), metadata={"format": "pt"})
         weight_map.update({k: shard for k in keys})
     total = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

@@ -182,7 +182,7 @@ def check_model(
                 f"quantize: group size {cfg.group_size} does not divide in_features={in_f} of {name}; "
                 f"use a divisor of every layer's input size or -1"
             )
-        if not torch.isfinite(module.weight).all():
+        if not torch.isfinite(module.weight.sum(dtype=torch.float64)):  # one reduction: NaN/Inf propagate
             raise LayercutError(f"quantize: {name} has NaN or Inf weights")
     return targets
 
@@ -192,8 +192,9 @@ def check_model(
 
 @contextlib.contextmanager
 def solver_threads(device: torch.device) -> Iterator[None]:
-    """One intra-op thread on CPU while solving: GPTQ's column loop is a chain of tiny
-    [out]-sized ops, and measured here (2 shared cores) 2 threads made it 5-10x slower."""
+    """One intra-op thread on CPU while solving and packing: GPTQ's column loop is a chain
+    of small [out]-sized ops, and on this shared 2-core machine 2 threads made such ops
+    5-10x slower (threads wait on each other when a core is taken by another process)."""
     if device.type != "cpu":
         yield
         return
@@ -249,7 +250,8 @@ def _solve(W: Tensor, H: Tensor | None, bits: int, cfg: QuantConfig) -> QuantRes
 
 
 def _record(name: str, res: QuantResult, W: Tensor) -> QuantizedLinear:
-    packed = pack_gptq(res.q.cpu(), res.zeros.cpu(), res.scales.cpu(), res.g_idx.cpu(), res.bits)
+    with solver_threads(torch.device("cpu")):
+        packed = pack_gptq(res.q.cpu(), res.zeros.cpu(), res.scales.cpu(), res.g_idx.cpu(), res.bits)
     return QuantizedLinear(name, res.bits, res.group_size, W.shape[1], W.shape[0], packed, res.loss, res.damp_used)
 
 
@@ -287,7 +289,7 @@ class HessianSet:
         H = self.H[g]
         if H is None or self.n[g] == 0:
             raise LayercutError(f"quantize: no calibration tokens reached {where} (all padding?)")
-        if not torch.isfinite(H).all():
+        if not torch.isfinite(H.sum()):
             raise LayercutError(f"quantize: the Hessian of {where} has NaN/Inf (non-finite activations: "
                                 "check the model in float32 and the calibration data)")
         return H
