@@ -106,8 +106,6 @@ def _cli(args: list[str], kill_at: str | None = None) -> subprocess.CompletedPro
                           timeout=600)
 
 
-@pytest.mark.xfail(strict=False, reason="failed once on a tied-tensor save during resume; fix in "
-                   "compress/quant/checkpoint.py not yet verified end to end (see issue #6 note)")
 def test_sigkill_at_each_point_then_resume_is_byte_identical(reference_run, tmp_path):
     model_dir, ref_out, _ = reference_run
     recipe = tiny_recipe(model_dir)
@@ -191,7 +189,6 @@ def test_failed_gate_writes_everything_and_raises(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="same unverified tied-tensor resume fix as the test above")
 def test_sigkill_at_random_times_then_resume(reference_run, tmp_path):
     """Kill the run at random moments (not only at hooks), resume, compare: three times."""
     model_dir, ref_out, ref_report = reference_run
