@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from gptq_codes import random_codes
 
 from compress.errors import LayercutError
 from compress.kernels import build, ops
@@ -25,18 +26,9 @@ HAS_CUDA = torch.cuda.is_available()
 def make_layer(
     bits: int, in_f: int, out_f: int, gs: int, act_order: bool, seed: int = 0, device: str = "cpu"
 ):
-    """Random GPTQ tensors plus the dense W [out, in] they encode (computed from the codes)."""
-    gen = torch.Generator().manual_seed(seed * 1009 + bits * 31 + in_f + out_f + gs)
-    g = in_f if gs == -1 else gs
-    groups = (in_f + g - 1) // g
-    g_idx = torch.arange(in_f) // g
-    if act_order:
-        g_idx = g_idx[torch.randperm(in_f, generator=gen)]
+    """Packed GPTQ tensors on ``device``, the dense W [out, in] they encode, and the op's group size."""
     maxq = (1 << bits) - 1
-    q = torch.randint(0, maxq + 1, (out_f, in_f), generator=gen)
-    z = torch.randint(0, maxq + 1, (groups, out_f), generator=gen)
-    s = ((torch.rand(groups, out_f, generator=gen) + 0.5) / maxq).half().float()
-    w = s[g_idx].T * (q.float() - z[g_idx].T.float())  # [out, in]
+    q, z, s, g_idx, w = random_codes(bits, in_f, out_f, gs, act_order, seed, zmin=0, scale=(1 / maxq, 0.5 / maxq))
     packed = {k: v.to(device) for k, v in pack_gptq(q, z, s, g_idx, bits).items()}
     op_gs = ops.ACT_ORDER if act_order else gs
     return packed, w.to(device), op_gs

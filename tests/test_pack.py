@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gptq_codes import random_codes
 
 from compress.errors import LayercutError
 from compress.quant.pack import dequantize_gptq, pack_gptq, packed_rows, unpack_gptq
@@ -13,17 +14,8 @@ GROUP_SIZES = (-1, 32, 64, 128)
 
 
 def _random_case(bits: int, in_f: int, out_f: int, gs: int, act_order: bool, seed: int = 0, zmin: int = 1):
-    gen = torch.Generator().manual_seed(seed + 97 * bits + in_f + gs)
-    g = in_f if gs == -1 else gs
-    groups = (in_f + g - 1) // g
-    g_idx = torch.arange(in_f) // g
-    if act_order:
-        g_idx = g_idx[torch.randperm(in_f, generator=gen)]
-    maxq = (1 << bits) - 1
-    q = torch.randint(0, maxq + 1, (out_f, in_f), generator=gen)
-    z = torch.randint(zmin, maxq + 1, (groups, out_f), generator=gen)
-    s = (torch.rand(groups, out_f, generator=gen) * 0.01 + 1e-3).half().float()
-    return q, z, s, g_idx.to(torch.int32)
+    q, z, s, g_idx, _ = random_codes(bits, in_f, out_f, gs, act_order, seed, zmin, scale=(0.01, 1e-3))
+    return q, z, s, g_idx
 
 
 def _stream_words(codes: list[int], bits: int) -> list[int]:

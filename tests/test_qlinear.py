@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gptq_codes import random_codes
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -14,18 +15,7 @@ from compress.quant.qlinear import QuantLinear
 
 
 def gptq_output(bits: int, in_f: int, out_f: int, gs: int, act_order: bool = False, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed + bits + gs)
-    g = in_f if gs == -1 else gs
-    groups = (in_f + g - 1) // g
-    g_idx = torch.arange(in_f) // g
-    if act_order:
-        g_idx = g_idx[torch.randperm(in_f, generator=gen)]
-    maxq = (1 << bits) - 1
-    q = torch.randint(0, maxq + 1, (out_f, in_f), generator=gen)
-    z = torch.randint(1, maxq + 1, (groups, out_f), generator=gen)
-    s = (torch.rand(groups, out_f, generator=gen) * 0.02 + 1e-3).half().float()
-    w = s[g_idx].T * (q.float() - z[g_idx].T.float())
-    return q, z, s, g_idx.to(torch.int32), w
+    return random_codes(bits, in_f, out_f, gs, act_order, seed)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
