@@ -110,7 +110,7 @@ def front_matter(facts: dict) -> str:
 def _stage_line(r: dict) -> str | None:
     rep, stage = r.get("report", {}), r["stage"]
     if stage == "prune":
-        return f"- **prune** ({rep.get('description') or rep.get('method', '')})"
+        return f"- **prune**: {rep.get('description') or rep.get('transform', '')}"
     if stage == "heal":
         loss = ""
         if rep.get("loss_start") is not None and rep.get("loss_end") is not None:
@@ -128,6 +128,7 @@ def _stage_line(r: dict) -> str | None:
 
 
 def _bits_table(quant: dict) -> list[str]:
+    """Bits per allocation unit; runs of consecutive layers with equal bits share a row."""
     bits = quant.get("bits_per_layer")
     if not bits:
         return []
@@ -136,9 +137,20 @@ def _bits_table(quant: dict) -> list[str]:
         cols = list(dict.fromkeys(k for v in bits.values() for k in v))
         lines += ["| layer | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
         lines += [f"| {layer} | " + " | ".join(str(v.get(c, "")) for c in cols) + " |" for layer, v in bits.items()]
-    else:
-        items = bits.items() if isinstance(bits, dict) else enumerate(bits)
-        lines += ["| layer | bits |", "|---|---|"] + [f"| {k} | {v} |" for k, v in items]
+        return lines + [""]
+    items = list(bits.items()) if isinstance(bits, dict) else list(enumerate(bits))
+    runs: list[list] = []  # [prefix, first, last, bits] for names like model.layers.7
+    for name, b in items:
+        prefix, _, index = str(name).rpartition(".")
+        if index.isdigit() and runs and runs[-1][0] == prefix and runs[-1][3] == b and runs[-1][2] == int(index) - 1:
+            runs[-1][2] = int(index)
+        else:
+            runs.append([prefix, int(index), int(index), b] if index.isdigit() else [None, name, name, b])
+    lines += ["| layers | bits |", "|---|---|"]
+    for prefix, first, last, b in runs:
+        span = str(first) if first == last else f"{first}–{last}"
+        where = span if not prefix else f"{prefix}.{span}"
+        lines.append(f"| {where} | {b} |")
     return lines + [""]
 
 

@@ -240,6 +240,12 @@ def test_card_front_matter_and_tables(tmp_path):
     # unknown provenance: no base_model / license invented
     bare = yaml.safe_load(render_card(card_facts({"stages": []}, tmp_path)).split("---")[1])
     assert "base_model" not in bare and "license" not in bare
+    # consecutive layers with equal bits share a row; a gap or a change starts a new one
+    runs = render_card(card_facts({"stages": [{"stage": "quantize", "dir": "q", "report": {"bits_per_layer": {
+        "model.layers.0": 4, "model.layers.1": 4, "model.layers.2": 4, "model.layers.3": 8, "model.layers.5": 8,
+        "lm_head": 8}}}]}, tmp_path))
+    assert "| model.layers.0–2 | 4 |" in runs and "| model.layers.3 | 8 |" in runs
+    assert "| model.layers.5 | 8 |" in runs and "| lm_head | 8 |" in runs
 
 
 def test_peak_rss_is_per_block():
