@@ -120,6 +120,27 @@ def main() -> None:
         print(f"{name}: removed blocks {layers}, ppl {s['ppl']:.3f}", flush=True)
         del model
 
+    def write_report(final: bool) -> None:
+        """Write JSON and markdown; called after every run so an interrupted benchmark keeps what it has."""
+        report = {
+            "model": args.model, "removed_blocks": layers, "select": "angular", "ppl_original": ppl_teacher,
+            "students": {k: {kk: (str(vv) if isinstance(vv, Path) else vv) for kk, vv in v.items()}
+                         for k, v in students.items()},
+            "eval": {"text": "bundled:brown-heldout", "ctx": args.ctx, "max_tokens": args.max_tokens},
+            "heal": {"seq_len": args.seq_len, "batch": args.batch, "samples": args.samples, "data": "bundled:brown-calib",
+                     "offset": HealConfig().offset},
+            "threads": args.threads, "machine": f"{os.cpu_count()}-core CPU, shared with other jobs",
+            "runs": results, "total_wall_s": time.perf_counter() - t_start,
+            "command": "HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal.py " + " ".join(sys.argv[1:]),
+        }
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
+        md = markdown(report)
+        Path(args.md_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.md_out).write_text(md)
+        if final:
+            print(md)
+
     results = []
     for run in runs:
         student_info = students[run["variant"]]
@@ -148,31 +169,17 @@ def main() -> None:
             point = {"step": step, "ppl": ppl, "recovered": (record["ppl_before"] - ppl) / gap if gap else None,
                      "train_wall_s": train_wall, "train_cpu_s": train_cpu, "loss": loss}
             record["points"].append(point)
+            write_report(final=False)
             print(f"{run['name']:>10} step {step:4d}  ppl {ppl:8.3f}  recovered {point['recovered']:.2f}  "
                   f"wall {train_wall / 60:6.1f} min  cpu {train_cpu / 60:6.1f} min  loss {loss:.4f}", flush=True)
 
+        results.append(record)
         result = heal_model(student, teacher, tok, cfg, progress=False, callback=at_step)
         record.update(losses=result.losses, trainable_params=result.trainable_params, tokens=result.tokens)
-        results.append(record)
         del student, result
+        write_report(final=False)
 
-    report = {
-        "model": args.model, "removed_blocks": layers, "select": "angular", "ppl_original": ppl_teacher,
-        "students": {k: {kk: (str(vv) if isinstance(vv, Path) else vv) for kk, vv in v.items()}
-                     for k, v in students.items()},
-        "eval": {"text": "bundled:brown-heldout", "ctx": args.ctx, "max_tokens": args.max_tokens},
-        "heal": {"seq_len": args.seq_len, "batch": args.batch, "samples": args.samples, "data": "bundled:brown-calib",
-                 "offset": HealConfig().offset},
-        "threads": args.threads, "machine": f"{os.cpu_count()}-core CPU, shared with other jobs",
-        "runs": results, "total_wall_s": time.perf_counter() - t_start,
-        "command": "HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal.py " + " ".join(sys.argv[1:]),
-    }
-    Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
-    md = markdown(report)
-    Path(args.md_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.md_out).write_text(md)
-    print(md)
+    write_report(final=True)
 
 
 def markdown(r: dict) -> str:

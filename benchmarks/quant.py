@@ -1,7 +1,8 @@
 """GPTQ on SmolLM2-135M at group size 64: layercut vs GPTQModel 7.6.0 vs RTN, plus mixed bits.
 
 Run (CPU; hours on a loaded 2-core machine — every row is one subprocess, rows already in
-the JSON are kept, so an interrupted run resumes)::
+the JSON are kept, so an interrupted run resumes; each row runs with one intra-op thread,
+``LAYERCUT_BENCH_THREADS`` to change)::
 
     GPTQMODEL_CPU_WORKERS=2 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/quant.py \\
         --samples 128 --seq-len 256 --max-tokens 4096
@@ -43,6 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+# One intra-op thread per process for every row (both tools): on the shared 2-core machine
+# this was measured faster than 2 (threads stall on each other when a core is taken).
+THREADS = os.environ.get("LAYERCUT_BENCH_THREADS", "1")
 
 MODEL = "bundled:smollm2-135m"
 GS = 64
@@ -55,18 +59,23 @@ ROWS: dict[str, dict] = {
     "rtn-3-asym": {"kind": "ours", "method": "rtn", "bits": 3, "sym": False},
     "rtn-4-sym": {"kind": "ours", "method": "rtn", "bits": 4, "sym": True},
     "rtn-3-sym": {"kind": "ours", "method": "rtn", "bits": 3, "sym": True},
+    # layercut rows use the command's defaults (act-order with static groups) unless they say otherwise
     "layercut-4-asym": {"kind": "ours", "method": "gptq", "bits": 4, "sym": False},
     "gptqmodel-4-asym": {"kind": "gptqmodel", "bits": 4, "sym": False},
+    "layercut-4-asym-gar": {"kind": "ours", "method": "gptq", "bits": 4, "sym": False, "act_order": False,
+                            "static_groups": False, "group_aware": True},
+    "layercut-4-asym-natural": {"kind": "ours", "method": "gptq", "bits": 4, "sym": False, "act_order": False,
+                                "static_groups": False},
     "layercut-3-asym": {"kind": "ours", "method": "gptq", "bits": 3, "sym": False},
     "gptqmodel-3-asym": {"kind": "gptqmodel", "bits": 3, "sym": False},
     "sensitivity": {"kind": "sensitivity"},
     "mixed-layer": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "layer", "sym": False},
+    "mixed-group": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "group", "sym": False},
     "layercut-4-sym": {"kind": "ours", "method": "gptq", "bits": 4, "sym": True},
     "gptqmodel-4-sym": {"kind": "gptqmodel", "bits": 4, "sym": True},
-    "mixed-group": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "group", "sym": False},
-    "layercut-3-asym-linear": {"kind": "ours", "method": "gptq", "bits": 3, "sym": False, "sequential": "linear"},
     "layercut-3-sym": {"kind": "ours", "method": "gptq", "bits": 3, "sym": True},
     "gptqmodel-3-sym": {"kind": "gptqmodel", "bits": 3, "sym": True},
+    "layercut-3-asym-linear": {"kind": "ours", "method": "gptq", "bits": 3, "sym": False, "sequential": "linear"},
 }
 
 
@@ -170,6 +179,8 @@ def child_ours(args, work: Path, name: str, spec: dict) -> dict:
     report = quantize_checkpoint(
         MODEL, out, bits=spec.get("bits"), avg_bits=spec.get("avg_bits"), unit=spec.get("unit", "layer"),
         group_size=GS, sym=spec["sym"], method=spec["method"], sequential=spec.get("sequential", "block"),
+        act_order=spec.get("act_order", True), static_groups=spec.get("static_groups", True),
+        group_aware=spec.get("group_aware", False), damp=spec.get("damp", 0.01),
         samples=args.samples, seq_len=args.seq_len, sensitivity=sens, progress=False, overwrite=True,
     )
     wall = time.perf_counter() - t0
@@ -242,7 +253,7 @@ def _best_proxy(args) -> str:
     rows = _load(Path(args.json_out)).get("rows", {})
     corr = rows.get("sensitivity", {}).get("spearman")
     if not corr:
-        return "output"
+        return "output_rel"
     return max(corr, key=lambda p: sum(corr[p]["per_bits"].values()) / len(corr[p]["per_bits"]))
 
 
@@ -327,6 +338,32 @@ def findings(data: dict) -> list[str]:
     return out
 
 
+NOTES = """## Notes
+
+**Loading the checkpoints** (all tested in `tests/test_quantize.py`, CPU, tiny llama):
+
+- uniform bits — stock `AutoModelForCausalLM.from_pretrained(out)` (transformers 5.24 +
+  optimum 2.3 + gptqmodel 7.6): nothing extra is needed on CPU (transformers' GPTQ quantizer
+  maps the device to CPU, gptqmodel picks `TorchAtenLinear`, which computes in bfloat16);
+- mixed bits — `GPTQModel.load(out, device="cpu", backend=BACKEND.TORCH, dtype=torch.float16)`
+  (its torch kernel takes fp16/bf16 only). Stock transformers cannot load mixed bits: optimum
+  ignores `dynamic` and builds every layer at the base width;
+- both — `compress.quant.loader.load_quantized(out)` (what `compress.models.load_model` and
+  `layercut eval` use); it also reads GPTQModel's own checkpoints (all rows above).
+
+`quantization_config.meta.quantizer` lists `gptqmodel:7.6.0` beside layercut: GPTQModel refuses
+asymmetric v1 checkpoints unless a `gptqmodel:>=0.9` producer vouches for the zero-point
+convention, and `compress/quant/pack.py` is bit-exact with GPTQModel 7.6.0's packer.
+
+**Choices.** A group size that does not divide some linear's `in_features` is refused before
+any work (no silent per-layer fallback); the default group size is 64 because SmolLM2's
+hidden size 576 is not a multiple of 128. Linears that share an input (q/k/v, gate/up) are
+solved in one GPTQ call (rows are independent given H). The allocator's default sensitivity
+is the relative block-output error (`output_rel`), chosen by its rank correlation with the
+true KL (row "sensitivity" above).
+"""
+
+
 def write_md(data: dict, path: Path) -> None:
     s = data["setup"]
     text = [
@@ -347,6 +384,7 @@ def write_md(data: dict, path: Path) -> None:
         "",
         *[f"- {line}" for line in findings(data)],
         "",
+        NOTES,
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(text))
@@ -369,7 +407,7 @@ def main() -> None:
 
     out = Path(args.json_out)
     data = _load(out)
-    setup = {"samples": args.samples, "seq_len": args.seq_len, "max_tokens": args.max_tokens, "group_size": GS,
+    setup = {"threads": int(THREADS), "samples": args.samples, "seq_len": args.seq_len, "max_tokens": args.max_tokens, "group_size": GS,
              "model": MODEL, "calib": "bundled:brown-calib", "text": "bundled:brown-heldout", "ctx": 512}
     if data.get("setup") and data["setup"] != setup:
         sys.exit(f"{out} was made with {data['setup']}; pass --json-out elsewhere or delete it")
@@ -383,11 +421,12 @@ def main() -> None:
     for name in names:
         if name in data["rows"] and not args.redo and not (name == "fp32" and not (work / "ref_logits.pt").is_file()):
             continue
+        env = dict(os.environ, OMP_NUM_THREADS=THREADS, MKL_NUM_THREADS=THREADS)
         cmd = [sys.executable, __file__, "--child", name, "--work", str(work), "--samples", str(args.samples),
                "--seq-len", str(args.seq_len), "--max-tokens", str(args.max_tokens), "--json-out", str(out)]
         print(f"== {name}", flush=True)
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         rows = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
         if proc.returncode != 0 or not rows:
             (work / f"{name}.log").write_text(proc.stdout + "\n" + proc.stderr)

@@ -199,11 +199,13 @@ class QuantizeStage(CalibOptions):
     avg_bits: float | None = Field(None, gt=0)
     candidates: str | list[int] = "2,3,4,8"
     unit: Literal["layer", "group"] = "layer"
-    sensitivity: str = "output"
+    sensitivity: str = "output_rel"
     sensitivity_samples: int = Field(16, ge=1)
     group_size: int = 64
     sym: bool = False
-    act_order: bool = False
+    act_order: bool = True
+    static_groups: bool = True
+    group_aware: bool = False
     method: Literal["gptq", "rtn"] = "gptq"
     damp: float = Field(0.01, gt=0, lt=1)
     sequential: Literal["block", "sublayer", "linear"] = "block"

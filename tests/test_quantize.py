@@ -383,3 +383,22 @@ def test_gpu_quantize_and_load_match_cpu(quantized, tiny_tokenizer):
     with torch.no_grad():
         got = on_gpu(probe.cuda()).logits.float().cpu()
     torch.testing.assert_close(got, logits, atol=2e-2, rtol=0)
+
+
+def test_default_act_order_with_static_groups_keeps_natural_g_idx(small_dir, tmp_path):
+    """The command's default order (act-order, static groups) writes g_idx = i // gs and desc_act false."""
+    from safetensors import safe_open
+
+    out = tmp_path / "q"
+    report = quantize_checkpoint(str(small_dir), out, bits=4, group_size=GS, samples=4, seq_len=32, progress=False)
+    assert report["act_order"] is True and report["static_groups"] is True
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["desc_act"] is False and qc["static_groups"] is True
+    n = 0
+    for shard in out.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as fh:
+            for k in (k for k in fh.keys() if k.endswith(".g_idx")):
+                g = fh.get_tensor(k)
+                assert torch.equal(g, torch.arange(g.numel(), dtype=torch.int32) // GS), k
+                n += 1
+    assert n == 7 * 3  # 7 linears per block, 3 blocks

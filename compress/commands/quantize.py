@@ -1,5 +1,5 @@
 """``layercut quantize MODEL -o OUT (--bits B | --avg-bits X [--candidates 2,3,4,8] [--unit layer|group])
-[--group-size 64] [--sym] [--act-order] [--method gptq|rtn] [--calib SRC] [--samples 128] [--seq-len 512] [--json]``.
+[--group-size 64] [--sym] [--(no-)act-order] [--(no-)static-groups] [--group-aware] [--method gptq|rtn] [--calib SRC] [--samples 128] [--seq-len 512] [--json]``.
 
 Writes a GPTQ v1 checkpoint (see compress/quant/checkpoint.py); with ``--avg-bits`` also
 ``allocation.json`` and ``allocation.png`` inside it. Calls
@@ -46,7 +46,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="columns per scale/zero group, -1 for one per row; must divide every in_features "
                         "(default: %(default)s)")
     p.add_argument("--sym", action="store_true", help="symmetric quantization (default: asymmetric)")
-    p.add_argument("--act-order", action="store_true", help="GPTQ in descending diag(H) order (desc_act)")
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPTQ in descending diag(H) order (default: on)")
+    p.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=True,
+                   help="group scales/zeros from the original weight up front; with --act-order this keeps "
+                        "g_idx = i // group_size, so loaders need no desc_act (default: on)")
+    p.add_argument("--group-aware", action="store_true",
+                   help="GAR order: groups by their largest diag(H), columns within a group by diag(H)")
     p.add_argument("--method", default="gptq", choices=("gptq", "rtn"), help="(default: %(default)s)")
     p.add_argument("--damp", type=float, default=0.01, help="relative GPTQ damping (default: %(default)s)")
     p.add_argument("--sequential", default="block", choices=tuple(SEQUENTIAL),
@@ -75,6 +81,8 @@ def run(args: argparse.Namespace) -> dict:
         group_size=args.group_size,
         sym=args.sym,
         act_order=args.act_order,
+        static_groups=args.static_groups,
+        group_aware=args.group_aware,
         method=args.method,
         damp=args.damp,
         sequential=args.sequential,

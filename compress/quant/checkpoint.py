@@ -149,7 +149,7 @@ def quantization_config(model: nn.Module, result: QuantizeResult) -> dict:
         "format": "gptq",
         "bits": base,
         "group_size": cfg.group_size,
-        "desc_act": cfg.act_order,
+        "desc_act": cfg.act_order and not cfg.static_groups,  # static groups keep g_idx = i // gs
         "sym": cfg.sym,
         "true_sequential": cfg.sequential != "block",
         "damp_percent": cfg.damp,

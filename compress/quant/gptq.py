@@ -180,6 +180,7 @@ def gptq_quantize(
     static_groups: bool = False,
     damp: float = 0.01,
     block_size: int = 128,
+    group_aware: bool = False,
 ) -> QuantResult:
     """Quantize ``W`` [out, in] with GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training
     Quantization for Generative Pre-trained Transformers", Algorithm 1).
@@ -194,6 +195,13 @@ def gptq_quantize(
     weights when a group starts (the reference convention: earlier blocks' updates included,
     the current block's not), or with ``static_groups`` all up front from the original
     weight in the original column order (so groups stay contiguous under act-order).
+
+    ``group_aware`` (ignored under ``act_order``) is group-aware reordering (Gafni et al.
+    2025, "Dual Precision Quantization", GAR; GPTQModel's default): whole groups are taken
+    in descending order of their largest diag(H), and the columns of each group in
+    descending diag(H). Groups stay contiguous, so their parameters are still computed from
+    the updated weights when a group starts, and the result is stored in natural group
+    order with ``g_idx = i // group_size`` (no desc_act needed to load it).
 
     ``loss`` is Σ (w - q)² / (2 [U]_jj²) over all quantized entries, which equals
     ½ tr(ΔW (H + λI) ΔWᵀ) ≈ mean over tokens of ‖(W - Ŵ) x‖² — the layer's output error.
@@ -224,9 +232,15 @@ def gptq_quantize(
         for g in range(n_groups):
             scales[g], zeros[g] = _minmax_params(W[:, g * gs : (g + 1) * gs], bits, sym)
 
-    perm = None
+    perm = group_order = None
     if act_order:
         perm = torch.argsort(H.diagonal(), descending=True)
+    elif group_aware:
+        diag = H.diagonal().reshape(n_groups, gs)
+        local = torch.argsort(diag, dim=1, descending=True, stable=True)  # [groups, gs]
+        group_order = torch.argsort(diag.max(dim=1).values, descending=True, stable=True)  # [groups]
+        perm = (group_order[:, None] * gs + local[group_order]).reshape(-1)
+    if perm is not None:
         W = W[:, perm]
         H = H[perm][:, perm]
     # group of each column in processing order
@@ -264,9 +278,13 @@ def gptq_quantize(
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # lazy batch update of the remaining columns
 
     if perm is not None:
-        invperm = torch.argsort(perm)
-        Q = Q[:, invperm]
-        g_idx = col_group[invperm]
+        Q = Q[:, torch.argsort(perm)]
+    if group_order is not None and not static_groups:
+        # processing group k is original group group_order[k]: store groups in natural order
+        scales[group_order], zeros[group_order] = scales.clone(), zeros.clone()
+        g_idx = torch.arange(in_f, device=W.device) // gs
+    elif perm is not None:
+        g_idx = col_group[torch.argsort(perm)]
     else:
         g_idx = col_group
     return _finish(Q, scales, zeros, g_idx, float(loss), damp_used, bits, group_size)

@@ -35,7 +35,7 @@ from compress.quant.sensitivity import METHODS as SENS_METHODS
 from compress.quant.sensitivity import allocation_units, expand_bits, measure_sensitivity
 from compress.quant.stage import QuantConfig, check_model, quantize_model
 
-DEFAULT_SENSITIVITY = "output"  # measured to rank like the KL on SmolLM2: docs/results-quant.md
+DEFAULT_SENSITIVITY = "output_rel"  # ranks layers like the KL on SmolLM2: docs/results-quant.md
 
 
 def _check_request(bits: int | None, avg_bits: float | None, candidates: Sequence[int], samples: int,
@@ -70,7 +70,9 @@ def quantize_checkpoint(
     unit: str = "layer",
     group_size: int = 64,
     sym: bool = False,
-    act_order: bool = False,
+    act_order: bool = True,
+    static_groups: bool = True,
+    group_aware: bool = False,
     method: str = "gptq",
     damp: float = 0.01,
     sequential: str = "block",
@@ -98,7 +100,7 @@ def quantize_checkpoint(
 
     cands = _check_request(bits, avg_bits, candidates, samples, seq_len, sensitivity_samples, sensitivity)
     cfg = QuantConfig(bits=bits or max(cands), group_size=group_size, sym=sym, act_order=act_order,
-                      method=method, damp=damp, sequential=sequential)
+                      static_groups=static_groups, group_aware=group_aware, method=method, damp=damp, sequential=sequential)
     cfg.check()
     if cfg.damp == 0:
         raise LayercutError("quantize: damp must be > 0 (GPTQ loaders require 0 < damp_percent < 1)")
@@ -121,7 +123,8 @@ def quantize_checkpoint(
     calib_set = calibration_batch(tokenizer, calib, samples=samples, seq_len=seq_len, seed=seed)
 
     report: dict = {"model": str(model), "output": str(output), "method": method, "group_size": group_size,
-                    "sym": sym, "act_order": act_order, "sequential": sequential, "damp": damp,
+                    "sym": sym, "act_order": act_order,
+                    "static_groups": static_groups, "group_aware": group_aware, "sequential": sequential, "damp": damp,
                     "calib": calib, "samples": samples, "seq_len": seq_len}
     extra: dict[str, str | bytes] = {}
     linear_bits: dict[str, int] = {}

@@ -57,6 +57,7 @@ class QuantConfig:
     sym: bool = False
     act_order: bool = False
     static_groups: bool = False
+    group_aware: bool = False  # GAR column order (see gptq_quantize); act_order wins if both
     damp: float = 0.01
     method: str = "gptq"  # "gptq" | "rtn"
     sequential: str = "block"  # "block" | "sublayer" | "linear" (see module doc)
@@ -245,7 +246,7 @@ def _solve(W: Tensor, H: Tensor | None, bits: int, cfg: QuantConfig) -> QuantRes
         return rtn_quantize(W, bits, cfg.group_size, cfg.sym, H=H)
     return gptq_quantize(
         W, H, bits, cfg.group_size, sym=cfg.sym, act_order=cfg.act_order,
-        static_groups=cfg.static_groups, damp=cfg.damp, block_size=cfg.block_size,
+        static_groups=cfg.static_groups, damp=cfg.damp, block_size=cfg.block_size, group_aware=cfg.group_aware,
     )
 
 
