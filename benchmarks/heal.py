@@ -195,9 +195,9 @@ def markdown(r: dict) -> str:
         f"loss kd (KL(teacher ‖ student), teacher on the fly), AdamW lr {head.get('lr'):g} constant after a "
         f"10-step warmup, no gradient checkpointing, {r['threads']} torch thread(s).",
         "",
-        f"Machine: {r['machine']} — other engineers' jobs ran at the same time (load average ~9–10 on 2 cores), "
-        "so wall times are inflated and noisy; CPU time (`process_time`, the cost on an otherwise idle core) is "
-        "the steadier figure. Times exclude the evaluations.",
+        f"Machine: {r['machine']} — another one-thread benchmark ran beside it on the second core, so wall "
+        "times are somewhat inflated and noisy; CPU time (`process_time`, the cost on an otherwise idle core) is "
+        "the steadier figure. Times exclude the evaluations." + (f" {r['note']}" if r.get("note") else ""),
         "",
         "| run | student | steps | ppl | gap recovered | train wall (min) | train CPU (min) |",
         "|---|---|---:|---:|---:|---:|---:|",
