@@ -256,7 +256,7 @@ def _best_proxy(args) -> str:
     rows = _load(Path(args.json_out)).get("rows", {})
     corr = rows.get("sensitivity", {}).get("spearman")
     if not corr:
-        return "output_rel"
+        return "output"
     return max(corr, key=lambda p: sum(corr[p]["per_bits"].values()) / len(corr[p]["per_bits"]))
 
 
@@ -341,7 +341,7 @@ def findings(data: dict) -> list[str]:
     if sens:
         for proxy, c in sens["spearman"].items():
             per = ", ".join(f"{b} bits {v:.2f}" for b, v in c["per_bits"].items())
-            out.append(f"Spearman(KL, {proxy}): across layers at {per}; all (layer, bits) pairs {c['all_pairs']:.2f}; "
+            out.append(f"Spearman(KL, {proxy}) (4 × 256 tokens, units quantized in natural column order): across layers at {per}; all (layer, bits) pairs {c['all_pairs']:.2f}; "
                        f"gains Δ(b)-Δ(b+1) {c['gains']:.2f}")
     return out
 
@@ -371,8 +371,8 @@ with static groups (`--act-order --static-groups`, both on by default): columns 
 descending diag(H), group scales/zeros come from the original weight, so `g_idx = i // 64` and
 the checkpoint loads with `desc_act: false` everywhere; it measured better than GAR (GPTQModel's
 default) and than the natural order (rows `layercut-4-asym-*`). The allocator's default sensitivity
-is the relative block-output error (`output_rel`), chosen by its rank correlation with the
-true KL (row "sensitivity" above).
+is the block-output error (`output`): of the cheap proxies it ranks layers most like the true KL
+at each width (row "sensitivity" above), although all of them do so only weakly on this model.
 """
 
 

@@ -199,7 +199,7 @@ class QuantizeStage(CalibOptions):
     avg_bits: float | None = Field(None, gt=0)
     candidates: str | list[int] = "2,3,4,8"
     unit: Literal["layer", "group"] = "layer"
-    sensitivity: str = "output_rel"
+    sensitivity: str = "output"
     sensitivity_samples: int = Field(16, ge=1)
     group_size: int = 64
     sym: bool = False

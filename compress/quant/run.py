@@ -35,7 +35,7 @@ from compress.quant.sensitivity import METHODS as SENS_METHODS
 from compress.quant.sensitivity import allocation_units, expand_bits, measure_sensitivity
 from compress.quant.stage import QuantConfig, check_model, quantize_model
 
-DEFAULT_SENSITIVITY = "output_rel"  # ranks layers like the KL on SmolLM2: docs/results-quant.md
+DEFAULT_SENSITIVITY = "output"  # best per-bits rank correlation with the KL on SmolLM2: docs/results-quant.md
 
 
 def _check_request(bits: int | None, avg_bits: float | None, candidates: Sequence[int], samples: int,

@@ -12,16 +12,16 @@ Hessians from the float inputs), by one of (``methods``; the first is ``table.de
 
 * ``"kl"`` — the definition: mean over calibration tokens of KL(p_fp ‖ p_{u@b}); one
   full-model forward per (unit, bits), so |U|·|B| forwards. Exact, and expensive.
-* ``"output_rel"`` — relative error of the block output: Σ_t ‖h'_{l+1} − h_{l+1}‖² /
-  Σ_t ‖h_{l+1}‖² over calibration tokens, h the residual stream after the block holding
-  u. One *block* forward per (unit, bits). ``"output"`` is the same without the division.
+* ``"output"`` — error of the block output: mean over calibration tokens of
+  ‖h'_{l+1} − h_{l+1}‖², h the residual stream after the block holding u. One *block*
+  forward per (unit, bits). ``"output_rel"`` divides by Σ_t ‖h_{l+1}‖².
 * ``"loss"`` — Σ over u's linears of ½ tr(ΔW H ΔWᵀ) (GPTQ's objective, undamped); free.
 
 How well each proxy ranks like the KL on SmolLM2 is measured in benchmarks/quant.py
-(:func:`rank_correlation`) and reported in docs/results-quant.md: the relative block-output
-error ranks layers like the KL; the absolute error and the GPTQ loss do not (the residual
-stream grows with depth, so they over-weight late layers). The command uses
-``"output_rel"`` by default.
+(:func:`rank_correlation`) and reported in docs/results-quant.md. On SmolLM2 all three
+proxies rank layers only weakly like the KL at a fixed width (Spearman ≤ 0.3); ``"output"``
+does best there and is the command's default, while ``"loss"`` (free) ranks the *gains*
+Δ(b) − Δ(b+1) a little better. Use ``"kl"`` when the forwards are affordable.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def measure_sensitivity(
     units: Sequence[AllocUnit],
     candidates: Sequence[int],
     cfg: QuantConfig,
-    methods: Sequence[str] = ("output_rel",),
+    methods: Sequence[str] = ("output",),
     batch_size: int = 8,
     device: str | torch.device | None = None,
     progress: bool = True,
