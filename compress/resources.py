@@ -9,7 +9,8 @@ Usage::
 
 On Linux the kernel's high-water mark (``VmHWM``) is reset at entry by writing ``5`` to
 ``/proc/self/clear_refs`` (Linux >= 4.0) and read at exit, so the figure is the stage's
-own peak, not the process's. Where that is not possible a 50 ms sampling thread (psutil)
+own peak, not the process's. Where that is not possible (or the reset is silently
+ignored, as in some sandboxes) a 50 ms sampling thread (psutil)
 measures it instead (``method == "sampled"``).
 """
 
@@ -22,14 +23,26 @@ _STATUS = Path("/proc/self/status")
 _CLEAR = Path("/proc/self/clear_refs")
 
 
-def _vmhwm_kb() -> int | None:
+def _status_kb(field: str) -> int | None:
     try:
         for line in _STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
     except OSError:
         return None
     return None
+
+
+def _vmhwm_kb() -> int | None:
+    return _status_kb("VmHWM")
+
+
+def _reset_hwm() -> bool:
+    """Reset VmHWM to the current RSS; False where the kernel ignores the request (some
+    sandboxes accept the write and change nothing)."""
+    _CLEAR.write_text("5")
+    hwm, rss = _vmhwm_kb(), _status_kb("VmRSS")
+    return hwm is not None and rss is not None and hwm <= rss * 1.05 + 8 * 1024
 
 
 class PeakRSS:
@@ -45,9 +58,8 @@ class PeakRSS:
 
     def __enter__(self) -> PeakRSS:
         try:
-            _CLEAR.write_text("5")
-            if _vmhwm_kb() is None:
-                raise OSError("no VmHWM")
+            if not _reset_hwm():
+                raise OSError("VmHWM cannot be reset here")
         except OSError:
             self.method = "sampled"
             self._thread = threading.Thread(target=self._sample, daemon=True)

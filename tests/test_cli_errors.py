@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -186,8 +187,10 @@ def test_interrupted_write_leaves_no_partial_stage(ws, tmp_path):
     d, _ = ws
     out = d / "interrupted"
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", KILL_ENV: "stage-1-written:INT"}
+    # SIGINT back to its default in the child: a shell's background job inherits it ignored
     res = subprocess.run([sys.executable, "-m", "compress.cli", "run", str(d / "ok.yaml"), "-o", str(out), "--json"],
-                         capture_output=True, text=True, env=env, timeout=600)
+                         capture_output=True, text=True, env=env, timeout=600,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert res.returncode == 130
     errors = [x for x in res.stderr.splitlines() if x.startswith("error")]
     assert errors == ["error: interrupted"], res.stderr
