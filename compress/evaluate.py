@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from calibrate import DEFAULT_EVAL_TEXT
 from calibrate.data import load_texts
 from compress.errors import LayercutError
 from compress.models import load_model, resolve_model, weight_bytes
@@ -94,7 +95,7 @@ def _window_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
 def evaluate(
     model,
     tokenizer,
-    text: str = "bundled:brown-heldout",
+    text: str = DEFAULT_EVAL_TEXT,
     ctx: int = 512,
     max_tokens: int = 16384,
     reference=None,
@@ -151,7 +152,7 @@ def _same_length(group: list[tuple[torch.Tensor, int]]) -> list[list[tuple[torch
 
 def evaluate_path(
     model_spec: str,
-    text: str = "bundled:brown-heldout",
+    text: str = DEFAULT_EVAL_TEXT,
     ctx: int = 512,
     max_tokens: int = 16384,
     reference: str | None = None,

@@ -17,6 +17,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from calibrate import DEFAULT_EVAL_TEXT
+
 
 class Strict(BaseModel):
     """Base: unknown keys are errors that list the allowed keys; no silent type coercion."""
@@ -259,7 +261,7 @@ class EvalStage(Strict):
     """``layercut eval``: held-out perplexity, KL to the source model, size and speed, with gates."""
 
     stage: Literal["eval"] = "eval"
-    text: str = "bundled:brown-heldout"
+    text: str = DEFAULT_EVAL_TEXT
     ctx: int = Field(512, ge=2)
     max_tokens: int = Field(16384, ge=2)
     batch_size: int = Field(4, ge=1)

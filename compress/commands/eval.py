@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from calibrate import DEFAULT_EVAL_TEXT
 from compress.errors import LayercutError
 from compress.evaluate import evaluate_path
 from compress.gates import check_gates, enforce_gates, parse_limit
@@ -16,7 +17,7 @@ from compress.gates import check_gates, enforce_gates, parse_limit
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="held-out perplexity, KL to a reference, size and speed")
     p.add_argument("model", help="HF model directory, .gguf file, or bundled:NAME")
-    p.add_argument("--text", default="bundled:brown-heldout", help="text source (default: %(default)s)")
+    p.add_argument("--text", default=DEFAULT_EVAL_TEXT, help="text source (default: %(default)s)")
     p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=16384, help="tokens taken from the text's start")
     p.add_argument("--reference", help="reference model for KL(reference || model)")
