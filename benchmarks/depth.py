@@ -1,12 +1,23 @@
-"""Depth compression on SmolLM2-135M: drop, linear replace (ReplaceMe), fuse (LaCo), attention drop.
+"""Depth compression on SmolLM2-135M: drop, linear replace (ReplaceMe), one-shot merge, attention drop.
 
-Run (CPU, ~25–45 min on a loaded 2-core machine)::
+Run (CPU, ~25–60 min on a loaded 2-core machine)::
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/depth.py --samples 32 --seq-len 256 --max-tokens 4096
+    # the same rows on the validation split, where choices (e.g. lstsq over cosine) are made
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/depth.py --samples 32 --seq-len 256 --max-tokens 4096 \
+        --text bundled:brown-val
+    # re-render the markdown (and the stored row labels) from a stored JSON, no model runs
+    .venv/bin/python benchmarks/depth.py --from-json benchmarks/results/depth.json
 
-Prints a table, writes ``benchmarks/results/depth.json`` and ``docs/results-depth.md``.
-Held-out text: ``bundled:brown-heldout``, ctx 512, the first ``--max-tokens`` tokens.
-Calibration: ``bundled:brown-calib``, ``--samples`` × ``--seq-len`` tokens.
+Prints a table, writes ``benchmarks/results/depth.json`` and ``docs/results-depth.md``
+(``depth-brown-val.json`` / ``docs/results-depth-brown-val.md`` for ``--text bundled:brown-val``).
+Evaluation text: ``--text`` (default ``bundled:brown-test``), ctx 512, the first
+``--max-tokens`` tokens. Calibration: ``bundled:brown-calib``, ``--samples`` × ``--seq-len`` tokens.
+
+The "one-shot merge" rows apply LaCo's merge rule θ_l + Σ_k c (θ_k − θ_l) to every block of
+the span at once; they do not run LaCo's schedule (merge a few adjacent layers at a time and
+keep a merge only while the merged model's outputs stay above a cosine-similarity
+threshold), so they say nothing about LaCo as published.
 
 Passes of the capture driver are shared where the API allows it: one scoring pass
 (angular, block influence, attention cosine), one fitting pass for every map / coefficient
@@ -33,6 +44,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from calibrate import DEFAULT_EVAL_TEXT  # noqa: E402
 from calibrate.capture import run_blocks  # noqa: E402
 from calibrate.data import calibration_batch  # noqa: E402
 from compress.arch import arch_for  # noqa: E402
@@ -47,6 +59,17 @@ from compress.select import compute_scores, gate_norm_scores, select_blocks, sel
 from compress.select.cores import lowest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+MERGE_ROW = "one-shot merge (LaCo rule, c=1, no threshold schedule), angular span"
+MERGE_CAL_ROW = "one-shot merge (calibrated c, no threshold schedule), angular span"
+# row labels of results written before the rename -> current labels (applied by --from-json)
+RENAMED = {"fuse (LaCo, c=1), angular span": MERGE_ROW, "fuse (calibrated c), angular span": MERGE_CAL_ROW}
+
+
+def default_outputs(text: str) -> tuple[str, str]:
+    if text in (DEFAULT_EVAL_TEXT, "bundled:brown-heldout"):  # heldout: results from before the val/test split
+        return str(ROOT / "benchmarks/results/depth.json"), str(ROOT / "docs/results-depth.md")
+    slug = text.split(":", 1)[-1]
+    return str(ROOT / f"benchmarks/results/depth-{slug}.json"), str(ROOT / f"docs/results-depth-{slug}.md")
 
 
 class CachedLogits(nn.Module):
@@ -78,13 +101,24 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--json-out", default=str(ROOT / "benchmarks/results/depth.json"))
-    ap.add_argument("--md-out", default=str(ROOT / "docs/results-depth.md"))
-    ap.add_argument("--from-json", help="only rewrite the markdown from a results JSON")
+    ap.add_argument("--text", default=DEFAULT_EVAL_TEXT, help="evaluation text (default %(default)s)")
+    ap.add_argument("--json-out", help="default: benchmarks/results/depth.json (test split) or depth-<text>.json")
+    ap.add_argument("--md-out", help="default: docs/results-depth.md (test split) or results-depth-<text>.md")
+    ap.add_argument("--from-json", help="only re-render: apply the row renames to this JSON (in place) and "
+                    "rewrite the markdown")
     args = ap.parse_args()
     if args.from_json:
-        Path(args.md_out).write_text(markdown(json.loads(Path(args.from_json).read_text())))
+        src = Path(args.from_json)
+        result = json.loads(src.read_text())
+        for row in result["rows"]:
+            row["row"] = RENAMED.get(row["row"], row["row"])
+        result["passes_s"] = {k.replace("LaCo coefficients", "merge coefficients"): v
+                              for k, v in result["passes_s"].items()}
+        src.write_text(json.dumps(result, indent=2, default=str))
+        Path(args.md_out or default_outputs(result["text"])[1]).write_text(markdown(result))
         return
+    json_default, md_default = default_outputs(args.text)
+    args.json_out, args.md_out = args.json_out or json_default, args.md_out or md_default
     torch.manual_seed(0)
     wall0 = time.perf_counter()
     model_dir = resolve_model(args.model)
@@ -95,7 +129,7 @@ def main() -> None:
     rows: list[dict] = []
 
     ref = CachedLogits(orig)
-    base = evaluate(ref, tok, ctx=args.ctx, max_tokens=args.max_tokens, progress=False)
+    base = evaluate(ref, tok, text=args.text, ctx=args.ctx, max_tokens=args.max_tokens, progress=False)
     base.params = count_params(orig)
     rows.append({"row": "original", "removed": "", "ppl": base.ppl, "kl": 0.0, "params": base.params,
                  "tokens_per_s": base.tokens_per_s, "step_s": 0.0})
@@ -131,7 +165,7 @@ def main() -> None:
     coeff = CoeffFitter(fuse_groups, spec_blocks, arch_for(orig), fit_samples=8, steps=25, lr=0.05)
     t0 = time.perf_counter()
     run_blocks(orig, calib, [*fitters.values(), coeff], progress=False, desc="fit")
-    passes["fit pass (5 span fitters + LaCo coefficients)"] = time.perf_counter() - t0
+    passes["fit pass (5 span fitters + merge coefficients)"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     seq = SpanFitter(plan_spans(bi_repl, L), "lstsq", stream="sequential", total_tokens=total)
     run_blocks(orig, calib, [seq], progress=False, desc="fit-seq")
@@ -148,7 +182,8 @@ def main() -> None:
         t = time.perf_counter()
         model = transform(model)
         step = time.perf_counter() - t + (extra or {}).pop("fit_s", 0.0)
-        res = evaluate(model, tok, ctx=args.ctx, max_tokens=args.max_tokens, reference=ref, progress=False)
+        res = evaluate(model, tok, text=args.text, ctx=args.ctx, max_tokens=args.max_tokens, reference=ref,
+                       progress=False)
         rows.append({"row": name, "removed": span_text(layers), "ppl": res.ppl, "kl": res.kl, "params": res.params,
                      "tokens_per_s": res.tokens_per_s, "step_s": step, **(extra or {})})
         print(f"{name:<32} {span_text(layers):<14} ppl {res.ppl:9.2f}  kl {res.kl:.4f}  step {step:.1f}s", flush=True)
@@ -178,8 +213,8 @@ def main() -> None:
             return model
         return run
 
-    add("fuse (LaCo, c=1), angular span", angular, fused(laco))
-    add("fuse (calibrated c), angular span", angular, fused(fuse_groups),
+    add(MERGE_ROW, angular, fused(laco))
+    add(MERGE_CAL_ROW, angular, fused(fuse_groups),
         {"fit_s": sum(g.seconds for g in fuse_groups), "groups": [g.to_dict() for g in fuse_groups]})
     for k in (int(x) for x in args.attn_drops.split(",")):
         by_gate = select_sublayers(model_dir, k, "gate-norm", "attention")
@@ -189,14 +224,15 @@ def main() -> None:
 
     wall = time.perf_counter() - wall0
     result = {
-        "model": args.model, "text": "bundled:brown-heldout", "ctx": args.ctx, "eval_tokens": base.tokens,
+        "model": args.model, "text": args.text, "ctx": args.ctx, "eval_tokens": base.tokens,
         "calibration": {"source": "bundled:brown-calib", "samples": args.samples, "seq_len": args.seq_len},
         "machine": f"CPU, {torch.get_num_threads()} threads (shared, loaded)", "passes_s": passes,
         "wall_s": wall, "scores": {"block_influence": scores.block_influence, "angular": scores.angular,
                                    "attn_importance": scores.attn_importance, "gate_norm": gate},
         "rows": rows,
         "command": f"HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/depth.py --samples {args.samples} "
-                   f"--seq-len {args.seq_len} --max-tokens {args.max_tokens}",
+                   f"--seq-len {args.seq_len} --max-tokens {args.max_tokens}"
+                   + ("" if args.text == DEFAULT_EVAL_TEXT else f" --text {args.text}"),
     }
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_out).write_text(json.dumps(result, indent=2, default=str))
@@ -213,13 +249,24 @@ def markdown(result: dict) -> str:
         hit = next((r for name, r in rows.items() if name.startswith(prefix)), None)
         return f"{hit['ppl']:.1f}" if hit else "n/a"
 
+    def than(a: str, b: str, better: str = "beats", worse: str = "does not beat") -> str:
+        """``better`` if row ``a`` has the lower perplexity than row ``b`` (prefixes), else ``worse``."""
+        ra = next((r for name, r in rows.items() if name.startswith(a)), None)
+        rb = next((r for name, r in rows.items() if name.startswith(b)), None)
+        return "(not run)" if ra is None or rb is None else better if ra["ppl"] < rb["ppl"] else worse
+
+    cal = next((r for name, r in rows.items() if name.startswith("one-shot merge (calibrated")), None)
+    cs = [c for g in (cal or {}).get("groups", []) for c in g.get("coeffs", {}).values()]
+    coeffs = f"{min(cs):.3f}–{max(cs):.3f}" if cs else "n/a"
     cut = [r for r in result["rows"] if r["row"] != "original" and not r["row"].startswith("attention")]
     best = min(cut, key=lambda r: r["ppl"])
     bi = next(r for r in cut if r["row"].startswith("block-influence drop"))
     lines = [
         "# Depth compression results (SmolLM2-135M)",
         "",
-        f"Model `{result['model']}` (30 blocks), held-out `{result['text']}`, ctx {result['ctx']}, "
+        f"Model `{result['model']}` (30 blocks), evaluated on `{result['text']}`"
+        + (" (measured before the held-out files were split into val and test, on their union)"
+           if result["text"] == "bundled:brown-heldout" else "") + f", ctx {result['ctx']}, "
         f"{result['eval_tokens']} scored tokens (`evaluate(max_tokens=...)`, cut to fit a loaded CPU); "
         f"calibration {result['calibration']['samples']} × {result['calibration']['seq_len']} tokens of "
         f"`bundled:brown-calib`; {result['machine']}. No healing. KL = KL(original ‖ pruned) per token. "
@@ -241,7 +288,8 @@ def markdown(result: dict) -> str:
         "",
         f"- Best no-heal row at 8/30: **{best['row']}** (ppl {best['ppl']:.1f}) = "
         f"{best['ppl'] / bi['ppl']:.2f} × the block-influence drop row ({bi['ppl']:.1f}); target ≤ 0.8.",
-        f"- Linear replacement beats plain drop on the same span with lstsq: angular span "
+        f"- Linear replacement with lstsq {than('angular+lstsq', 'angular drop')} plain drop on the angular span, "
+        f"and {than('BI+lstsq', 'block-influence drop')} it on block influence's spans: angular span "
         f"{ppl('angular drop')} → {ppl('angular+lstsq')}; block influence's spans {ppl('block-influence drop')} → "
         f"{ppl('BI+lstsq')}. Several non-contiguous spans get one map each, fitted in one driver pass.",
         f"- Stream positions: fitting later spans on the already-replaced stream (sequential, the CLI default) "
@@ -251,10 +299,16 @@ def markdown(result: dict) -> str:
         f"cannot rebuild it ({ppl('angular+cosine (paper')}); the unsimplified cos(Y + M T, L) used by "
         f"`--replace cosine` does ({ppl('angular+cosine')} on the angular span) but only ties plain drop on block "
         f"influence's spans ({ppl('BI+cosine')}), where it disturbs that token's magnitudes. Prefer lstsq.",
-        f"- Fuse: LaCo's merge θ_l + Σ_k (θ_k − θ_l) over 8 blocks into one destroys the model "
-        f"({ppl('fuse (LaCo')}); the calibrated per-matrix coefficient goes to ≈ 0.01 (≈ plain drop) and still "
-        f"ends worse than dropping ({ppl('fuse (calibrated')} vs {ppl('angular drop')}).",
-        "- Attention-only drop: LLM-Drop's attention cosine picks far better layers than Gate-Norm on this model "
+        f"- One-shot merge: LaCo's merge rule θ_l + Σ_k (θ_k − θ_l), applied to all 8 blocks of the angular span "
+        f"at once, gives ppl {ppl('one-shot merge (LaCo')}. LaCo itself merges a few adjacent layers at a time "
+        "and keeps a merge only while the merged model's outputs stay above a cosine-similarity threshold; that "
+        "schedule is not implemented, so this row is no measurement of LaCo as published. With a calibrated "
+        f"per-matrix coefficient c (fitted c: {coeffs}) the result "
+        f"{than('one-shot merge (calibrated', 'angular drop', 'beats', 'is still worse than')} dropping "
+        f"({ppl('one-shot merge (calibrated')} vs {ppl('angular drop')}).",
+        f"- Attention-only drop: LLM-Drop's attention cosine "
+        f"{than('attention drop 8, attn', 'attention drop 8, gate', 'picks better', 'does not pick better')} "
+        "layers than Gate-Norm on this model "
         f"(8 layers: {ppl('attention drop 8, attn')} vs {ppl('attention drop 8, gate')}; 15 layers: "
         f"{ppl('attention drop 15, attn')} vs {ppl('attention drop 15, gate')}). Attention-only outputs need "
         "`trust_remote_code=True` (see the README written into them).",

@@ -1,33 +1,53 @@
-"""GPTQ on SmolLM2-135M at group size 64: layercut vs GPTQModel 7.6.0 vs RTN, plus mixed bits.
+"""GPTQ on SmolLM2-135M at group size 64: layercut vs GPTQModel 7.6.0 at matched settings, RTN, mixed bits.
 
-Rows named ``layercut-*`` use ``layercut quantize``'s defaults (GPTQ, act-order with static
-groups, damp 0.01, one Hessian pass per block) unless the row says otherwise.
+Run (CPU; hours on a loaded 2-core machine: every row is one subprocess with one intra-op
+thread, ``LAYERCUT_BENCH_THREADS`` to change; rows already in the JSON are kept, so an
+interrupted run resumes when the same command runs again without ``--restart``)::
 
-Run (CPU; hours on a loaded 2-core machine — every row is one subprocess, rows already in
-the JSON are kept, so an interrupted run resumes; each row runs with one intra-op thread,
-``LAYERCUT_BENCH_THREADS`` to change)::
+    # 1. choose defaults (the column order) on the validation half of the held-out Brown files
+    GPTQMODEL_CPU_WORKERS=2 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/quant.py --text bundled:brown-val --restart
+    # 2. report on the test half, on which nothing is chosen
+    GPTQMODEL_CPU_WORKERS=2 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/quant.py --restart
+    # re-render the markdown from a stored JSON (no quantization)
+    .venv/bin/python benchmarks/quant.py --from-json benchmarks/results/quant.json
 
-    GPTQMODEL_CPU_WORKERS=2 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/quant.py \\
-        --samples 64 --seq-len 256 --max-tokens 4096
+Outputs: ``benchmarks/results/quant.json`` + ``docs/results-quant.md`` for the test split,
+``quant-brown-val.json`` + ``docs/results-quant-brown-val.md`` for another ``--text``.
 
 Every quantizer gets the same calibration token batches (``bundled:brown-calib``,
-``calibration_batch(seed=0)``, ``--samples`` × ``--seq-len``). Every checkpoint is then
-loaded with ``compress.quant.loader.load_quantized`` (GPTQModel's too) and evaluated the
-same way: held-out ``bundled:brown-heldout``, ctx 512, the first ``--max-tokens`` tokens,
-perplexity and KL(fp ‖ quantized) against the fp32 model's logits (computed once).
-"wall s" is the whole quantize call in its own process: model load, calibration,
-quantization and writing the checkpoint; "peak RSS" is that process's high-water mark
-before evaluation. GPTQModel runs with its own defaults (damp 0.05, act_group_aware,
-true_sequential, CPU dtype bfloat16) except bits / group size / sym / desc_act=False;
-layercut with its defaults (damp 0.01, asym unless "sym", sequential="block", fp32).
+``calibration_batch(seed=s)``, ``--samples`` × ``--seq-len``); rows marked with seeds run
+once per ``--seeds`` value (default 0,1,2: three different calibration draws) and are
+reported as mean (min–max). Every checkpoint is loaded with
+``compress.quant.loader.load_quantized`` (GPTQModel's too) and evaluated the same way: the
+first ``--max-tokens`` tokens of ``--text``, ctx 512, perplexity and KL(fp ‖ quantized)
+against the fp32 model's logits (computed once per text by the fp32 row).
+
+Matched settings (rows ``layercut-B-asym`` vs ``gptqmodel-B-asym``): asymmetric, group 64,
+damping ``--damp`` (0.01, layercut's default, for both; GPTQModel's own default is 0.05),
+columns in act-order with static groups (layercut's defaults; GPTQModel ``desc_act=True,
+static_groups=True``, which turns its group-aware reordering off), one Hessian pass per
+block (layercut ``sequential="block"``; GPTQModel ``true_sequential=False``), model loaded
+in float32 (GPTQModel ``dtype=torch.float32``; its CPU default is bfloat16). What cannot be
+matched: layercut accumulates and inverts H in float64, GPTQModel in float32; GPTQModel
+writes the unquantized tensors (embeddings, norms) in its load dtype, layercut in float16
+(column "dense dtype"; the loader computes in float32 either way). Rows
+``gptqmodel-B-asym-defaults`` run GPTQModel with its own defaults (damp 0.05, group-aware
+reordering, ``desc_act=False``, true-sequential, bfloat16) for reference.
+
+Per row: "wall s" is the whole quantize call in its own process (model load, calibration,
+quantization, writing the checkpoint), "CPU s" that process's CPU time up to then (all
+threads; steadier than wall time on a shared machine); "peak RSS" its high-water mark before
+evaluation; "calib tokens" the tokens each quantizer's Hessians actually summed (layercut's
+report; GPTQModel's per-module ``samples`` log, min over modules). ``phases_s`` splits the
+time: layercut's driver pass (block forwards + Hessians + solves) and its solves;
+GPTQModel's own region timer (``quant_region_timer``: forwards before quantizing a block,
+the solves, the replay of the quantized block, packing, offload, saving).
 
 Rows "mixed" allocate {2,3,4,8} bits per unit at the byte budget of uniform 3-bit g64
 (3 + 19/64 = 3.296875 bits/weight incl. scales and zeros). Row "sensitivity" measures, on
 4 × 256 calibration tokens, the true Δ_u(b) = KL(fp ‖ only layer u at b bits) and the
 cheap proxies, and reports their Spearman rank correlation; the mixed rows use the proxy
-that ranks best. Writes ``benchmarks/results/quant.json`` and ``docs/results-quant.md``
-(the table and the issue's targets: ppl vs GPTQModel within 1%, GPTQ beats RTN, wall
-≤ 0.5× GPTQModel's, mixed bits closing ≥ 30% of the 3→4-bit gap).
+that ranks best (both on calibration tokens, not on ``--text``).
 """
 
 from __future__ import annotations
@@ -36,6 +56,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,35 +72,55 @@ os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 # this was measured faster than 2 (threads stall on each other when a core is taken).
 THREADS = os.environ.get("LAYERCUT_BENCH_THREADS", "1")
 
+from calibrate import DEFAULT_CALIB_TEXT, DEFAULT_EVAL_TEXT  # noqa: E402
+
 MODEL = "bundled:smollm2-135m"
 GS = 64
 BUDGET_3BIT = 3 + (16 + 3) / GS  # uniform 3-bit g64, overhead included
+VERSION = 2  # 1: one seed, GPTQModel at its defaults only, on bundled:brown-heldout
 
-# name -> what to run; order = run order (cheap and headline rows first)
+# name -> what to run; "seeds": run once per --seeds value (else seed 0 only)
 ROWS: dict[str, dict] = {
     "fp32": {"kind": "fp"},
     "rtn-4-asym": {"kind": "ours", "method": "rtn", "bits": 4, "sym": False},
     "rtn-3-asym": {"kind": "ours", "method": "rtn", "bits": 3, "sym": False},
     "rtn-4-sym": {"kind": "ours", "method": "rtn", "bits": 4, "sym": True},
     "rtn-3-sym": {"kind": "ours", "method": "rtn", "bits": 3, "sym": True},
-    # layercut rows use the command's defaults (act-order with static groups) unless they say otherwise
-    "layercut-4-asym": {"kind": "ours", "method": "gptq", "bits": 4, "sym": False},
-    "gptqmodel-4-asym": {"kind": "gptqmodel", "bits": 4, "sym": False},
+    # the headline pairs at matched settings (see the docstring)
+    "layercut-4-asym": {"kind": "ours", "method": "gptq", "bits": 4, "sym": False, "seeds": True},
+    "gptqmodel-4-asym": {"kind": "gptqmodel", "bits": 4, "sym": False, "matched": True, "seeds": True},
+    "layercut-3-asym": {"kind": "ours", "method": "gptq", "bits": 3, "sym": False, "seeds": True},
+    "gptqmodel-3-asym": {"kind": "gptqmodel", "bits": 3, "sym": False, "matched": True, "seeds": True},
+    "gptqmodel-4-asym-defaults": {"kind": "gptqmodel", "bits": 4, "sym": False, "matched": False},
+    "gptqmodel-3-asym-defaults": {"kind": "gptqmodel", "bits": 3, "sym": False, "matched": False},
+    # column order: the default (act-order + static groups) is chosen on --text bundled:brown-val
     "layercut-4-asym-gar": {"kind": "ours", "method": "gptq", "bits": 4, "sym": False, "act_order": False,
-                            "static_groups": False, "group_aware": True},
+                            "static_groups": False, "group_aware": True, "seeds": True},
     "layercut-4-asym-natural": {"kind": "ours", "method": "gptq", "bits": 4, "sym": False, "act_order": False,
-                                "static_groups": False},
-    "layercut-3-asym": {"kind": "ours", "method": "gptq", "bits": 3, "sym": False},
-    "gptqmodel-3-asym": {"kind": "gptqmodel", "bits": 3, "sym": False},
+                                "static_groups": False, "seeds": True},
     "sensitivity": {"kind": "sensitivity"},
     "mixed-layer": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "layer", "sym": False},
+    # not run by default (--only NAME): more settings
     "mixed-group": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "group", "sym": False},
     "layercut-4-sym": {"kind": "ours", "method": "gptq", "bits": 4, "sym": True},
-    "gptqmodel-4-sym": {"kind": "gptqmodel", "bits": 4, "sym": True},
-    "layercut-3-sym": {"kind": "ours", "method": "gptq", "bits": 3, "sym": True},
-    "gptqmodel-3-sym": {"kind": "gptqmodel", "bits": 3, "sym": True},
+    "gptqmodel-4-sym": {"kind": "gptqmodel", "bits": 4, "sym": True, "matched": True},
     "layercut-3-asym-linear": {"kind": "ours", "method": "gptq", "bits": 3, "sym": False, "sequential": "linear"},
+    "gptqmodel-3-asym-true-sequential": {"kind": "gptqmodel", "bits": 3, "sym": False, "matched": True,
+                                         "true_sequential": True},
 }
+# the test split reports; the column-order rows are the choice, made on the validation split
+TEST_ROWS = ["fp32", "rtn-4-asym", "rtn-3-asym", "layercut-4-asym", "gptqmodel-4-asym", "layercut-3-asym",
+             "gptqmodel-3-asym", "gptqmodel-4-asym-defaults", "gptqmodel-3-asym-defaults", "rtn-4-sym", "rtn-3-sym",
+             "sensitivity", "mixed-layer"]
+VAL_ROWS = ["fp32", "layercut-4-asym", "layercut-4-asym-gar", "layercut-4-asym-natural"]
+
+
+def run_key(name: str, seed: int) -> str:
+    return f"{name}/seed{seed}"
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in text.split(":", 1)[-1])
 
 
 # ------------------------------------------------------------------ child side
@@ -101,14 +142,18 @@ class CachedReference:
         return SimpleNamespace(logits=self.store[input_ids.cpu().numpy().tobytes()].float())
 
 
-def _evaluate(model, tok, args, ref_file: Path) -> dict:
+def _ref_file(args, work: Path) -> Path:
+    return work / f"ref_logits-{_slug(args.text)}-{args.max_tokens}.pt"
+
+
+def _evaluate(model, tok, args, work: Path) -> dict:
     import torch
 
     from compress.evaluate import evaluate
 
-    store = torch.load(ref_file, weights_only=False)
-    res = evaluate(model, tok, ctx=512, max_tokens=args.max_tokens, reference=CachedReference(store),
-                   progress=False)
+    store = torch.load(_ref_file(args, work), weights_only=False)
+    res = evaluate(model, tok, text=args.text, ctx=512, max_tokens=args.max_tokens,
+                   reference=CachedReference(store), progress=False)
     return {"ppl": res.ppl, "kl": res.kl, "eval_tokens": res.tokens}
 
 
@@ -127,28 +172,41 @@ def _weight_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20
 
 
-def _stored_bits(path: Path) -> float:
-    """Bits stored per quantized weight (qweight + qzeros + fp16 scales), read from the files."""
+def _checkpoint_stats(path: Path) -> dict:
+    """Bits stored per quantized weight (qweight + qzeros + fp16 scales) and the dtypes of the other tensors."""
     from safetensors import safe_open
 
     n = stored = 0
+    dense: set[str] = set()
     for f in path.glob("*.safetensors"):
         with safe_open(str(f), "pt") as fh:
             for k in fh.keys():
                 if k.endswith(".qweight"):
-                    rows, out = fh.get_slice(k).get_shape()
+                    _rows, out = fh.get_slice(k).get_shape()
                     n += fh.get_slice(k[: -len("qweight")] + "g_idx").get_shape()[0] * out
                 if k.endswith((".qweight", ".qzeros", ".scales")):
                     t = fh.get_tensor(k)
                     stored += t.numel() * t.element_size() * 8
-    return stored / n
+                elif not k.endswith(".g_idx"):
+                    dense.add(fh.get_slice(k).get_dtype())
+    return {"avg_bits": stored / n, "dense_dtypes": sorted(dense), "weights_mb": _weight_mb(path)}
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process so far, all threads (steadier than wall time on a shared machine)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def child_fp(args, work: Path) -> dict:
     import torch
 
     from compress.evaluate import evaluate
-    from compress.models import load_model
+    from compress.models import load_model, resolve_model, weight_bytes
 
     model, tok = load_model(MODEL)
     store: dict[bytes, torch.Tensor] = {}
@@ -165,61 +223,92 @@ def child_fp(args, work: Path) -> dict:
             store[input_ids.cpu().numpy().tobytes()] = out.logits.half()
             return out
 
-    res = evaluate(Recorder(), tok, ctx=512, max_tokens=args.max_tokens, progress=False)
-    torch.save(store, work / "ref_logits.pt")
-    from compress.models import resolve_model, weight_bytes
+    res = evaluate(Recorder(), tok, text=args.text, ctx=512, max_tokens=args.max_tokens, progress=False)
+    torch.save(store, _ref_file(args, work))
+    return {"ppl": res.ppl, "kl": 0.0, "eval_tokens": res.tokens,
+            "weights_mb": weight_bytes(resolve_model(MODEL)) / 2**20}
 
-    return {"ppl": res.ppl, "kl": 0.0, "eval_tokens": res.tokens, "weights_mb": weight_bytes(resolve_model(MODEL)) / 2**20}
 
-
-def child_ours(args, work: Path, name: str, spec: dict) -> dict:
+def child_ours(args, work: Path, name: str, spec: dict, seed: int) -> dict:
     from compress.models import load_tokenizer
     from compress.quant.run import quantize_checkpoint
 
-    out = work / name
+    out = work / f"{name}-seed{seed}"
     sens = spec.get("sensitivity") or _best_proxy(args)
     t0 = time.perf_counter()
     report = quantize_checkpoint(
         MODEL, out, bits=spec.get("bits"), avg_bits=spec.get("avg_bits"), unit=spec.get("unit", "layer"),
         group_size=GS, sym=spec["sym"], method=spec["method"], sequential=spec.get("sequential", "block"),
         act_order=spec.get("act_order", True), static_groups=spec.get("static_groups", True),
-        group_aware=spec.get("group_aware", False), damp=spec.get("damp", 0.01),
-        samples=args.samples, seq_len=args.seq_len, sensitivity=sens, progress=False, overwrite=True,
+        group_aware=spec.get("group_aware", False), damp=args.damp, calib=DEFAULT_CALIB_TEXT,
+        samples=args.samples, seq_len=args.seq_len, seed=seed, sensitivity=sens, progress=False, overwrite=True,
     )
     wall = time.perf_counter() - t0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-    row = {"wall_s": wall, "peak_rss_mb": rss, "avg_bits": _stored_bits(out), "weights_mb": _weight_mb(out),
-           "solve_s": report["solve_seconds"]}
+    row = {"seed": seed, "wall_s": wall, "cpu_s": _cpu_s(), "peak_rss_mb": _peak_rss_mb(), **_checkpoint_stats(out),
+           "calib_tokens": report.get("tokens", 0) if spec["method"] == "gptq" else 0,
+           "damp": args.damp if spec["method"] == "gptq" else None, "compute_dtype": "float32",
+           "solve_s": report["solve_seconds"],
+           "phases_s": {"driver pass (block forwards + Hessians + solves)": report["quantize_seconds"],
+                        "solves": report["solve_seconds"], "load, calibration draw, write": wall - report["quantize_seconds"]}}
     if "unit_bits" in report:
         row.update(unit_bits=report["unit_bits"], bits_histogram=report["bits_histogram"], sensitivity=sens,
                    sensitivity_s=report["sensitivity_seconds"])
-    row.update(_evaluate(_load_for_eval(out), load_tokenizer(MODEL), args, work / "ref_logits.pt"))
+    row.update(_evaluate(_load_for_eval(out), load_tokenizer(MODEL), args, work))
     return row
 
 
-def child_gptqmodel(args, work: Path, name: str, spec: dict) -> dict:
-    from gptqmodel import GPTQModel, QuantizeConfig
+def gptqmodel_setup(spec: dict, damp: float):
+    """GPTQModel's QuantizeConfig and load kwargs for a row: matched to layercut, or its own defaults."""
+    import torch
+    from gptqmodel import QuantizeConfig
+
+    if not spec["matched"]:
+        return QuantizeConfig(bits=spec["bits"], group_size=GS, sym=spec["sym"], desc_act=False), {}
+    qcfg = QuantizeConfig(bits=spec["bits"], group_size=GS, sym=spec["sym"], desc_act=True, static_groups=True,
+                          act_group_aware=False, damp_percent=damp,
+                          true_sequential=spec.get("true_sequential", False))
+    return qcfg, {"dtype": torch.float32}
+
+
+def child_gptqmodel(args, work: Path, name: str, spec: dict, seed: int) -> dict:
+    from gptqmodel import GPTQModel
 
     from calibrate.data import calibration_batch
     from compress.models import load_tokenizer, resolve_model
 
-    out = work / name
+    out = work / f"{name}-seed{seed}"
     t0 = time.perf_counter()
     tok = load_tokenizer(MODEL)
-    calib = calibration_batch(tok, "bundled:brown-calib", samples=args.samples, seq_len=args.seq_len, seed=0)
+    calib = calibration_batch(tok, DEFAULT_CALIB_TEXT, samples=args.samples, seq_len=args.seq_len, seed=seed)
     data = [{"input_ids": calib.input_ids[i].tolist(), "attention_mask": calib.attention_mask[i].tolist()}
             for i in range(calib.num_samples)]
-    qcfg = QuantizeConfig(bits=spec["bits"], group_size=GS, sym=spec["sym"], desc_act=False)
-    model = GPTQModel.load(str(resolve_model(MODEL)), qcfg)
-    model.quantize(data, batch_size=8)
+    qcfg, load_kw = gptqmodel_setup(spec, args.damp)
+    t_load = time.perf_counter()
+    model = GPTQModel.load(str(resolve_model(MODEL)), qcfg, **load_kw)
+    load_s = time.perf_counter() - t_load
+    compute_dtype = str(next(model.model.parameters()).dtype).removeprefix("torch.")
+    t_q = time.perf_counter()
+    log = model.quantize(data, batch_size=8)
+    quantize_s = time.perf_counter() - t_q
+    t_s = time.perf_counter()
     model.save(str(out))
+    save_s = time.perf_counter() - t_s
     wall = time.perf_counter() - t0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    rss, cpu = _peak_rss_mb(), _cpu_s()
+    timer = getattr(model, "quant_region_timer", None)
+    regions = {k: v["total"] for k, v in (timer.snapshot() if timer else {}).items() if v["count"]}
+    entries = [e for stats in (log or {}).values() for e in stats if isinstance(e, dict) and e.get("samples")]
+    tokens = [int(float(e["samples"])) for e in entries]
+    damps = [float(e["damp"]) for e in entries if e.get("damp")]
     del model
-    row = {"wall_s": wall, "peak_rss_mb": rss, "avg_bits": _stored_bits(out), "weights_mb": _weight_mb(out),
-           "gptqmodel_config": json.loads((out / "config.json").read_text())["quantization_config"]}
-    row["gptqmodel_config"].pop("meta", None)
-    row.update(_evaluate(_load_for_eval(out), tok, args, work / "ref_logits.pt"))
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    qc.pop("meta", None)
+    row = {"seed": seed, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": rss, **_checkpoint_stats(out),
+           "calib_tokens": min(tokens) if tokens else None, "calib_tokens_max": max(tokens) if tokens else None,
+           "damp": qcfg.damp_percent, "damp_used_max": max(damps) if damps else None, "compute_dtype": compute_dtype,
+           "phases_s": {"GPTQModel.load": load_s, "quantize()": quantize_s, "save()": save_s, **regions},
+           "gptqmodel_config": qc}
+    row.update(_evaluate(_load_for_eval(out), tok, args, work))
     return row
 
 
@@ -230,7 +319,7 @@ def child_sensitivity(args, work: Path) -> dict:
     from compress.quant.stage import QuantConfig
 
     model, tok = load_model(MODEL)
-    full = calibration_batch(tok, "bundled:brown-calib", samples=args.samples, seq_len=args.seq_len, seed=0)
+    full = calibration_batch(tok, DEFAULT_CALIB_TEXT, samples=args.samples, seq_len=args.seq_len, seed=0)
     calib = CalibSet(full.input_ids[:4, :256], full.attention_mask[:4, :256])
     units = allocation_units(model, "layer")
     cands = (2, 3, 4)
@@ -247,14 +336,14 @@ def child_sensitivity(args, work: Path) -> dict:
                  for u in units for b, c in zip(cands, cands[1:])]
         corr[proxy] = {"all_pairs": rank_correlation(*zip(*pairs)), "per_bits": per_bits,
                        "gains": rank_correlation(*zip(*gains))}
-    return {"seconds": time.perf_counter() - t0, "tokens": table.tokens, "candidates": list(cands),
+    return {"seed": 0, "seconds": time.perf_counter() - t0, "tokens": table.tokens, "candidates": list(cands),
             "spearman": corr, "table": table.to_dict()["by_method"]}
 
 
 def _best_proxy(args) -> str:
     """The proxy whose per-bits rank correlation with the KL is best (mean over bits)."""
-    rows = _load(Path(args.json_out)).get("rows", {})
-    corr = rows.get("sensitivity", {}).get("spearman")
+    runs = _load(Path(args.json_out)).get("runs", {})
+    corr = runs.get(run_key("sensitivity", 0), {}).get("spearman")
     if not corr:
         return "output"
     return max(corr, key=lambda p: sum(corr[p]["per_bits"].values()) / len(corr[p]["per_bits"]))
@@ -267,15 +356,15 @@ def run_child(args) -> None:
     if kind == "fp":
         row = child_fp(args, work)
     elif kind == "ours":
-        row = child_ours(args, work, args.child, spec)
+        row = child_ours(args, work, args.child, spec, args.seed)
     elif kind == "gptqmodel":
-        row = child_gptqmodel(args, work, args.child, spec)
+        row = child_gptqmodel(args, work, args.child, spec, args.seed)
     else:
         row = child_sensitivity(args, work)
     print("ROW " + json.dumps(row, default=str), flush=True)
 
 
-# ------------------------------------------------------------------ parent side
+# ------------------------------------------------------------------ parent side: tables
 
 
 def _load(path: Path) -> dict:
@@ -286,62 +375,111 @@ def _fmt(x, spec: str) -> str:
     return "—" if x is None else format(x, spec)
 
 
+def runs_of(data: dict, name: str) -> list[dict]:
+    """Every stored run of a row, in seed order."""
+    runs = data.get("runs", {})
+    return [runs[k] for k in sorted(runs, key=lambda k: int(k.rsplit("seed", 1)[1])) if k.rsplit("/", 1)[0] == name]
+
+
+def spread(values: list[float], spec: str) -> str:
+    """``mean`` for one value, ``mean (min–max)`` for several."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "—"
+    mean = format(statistics.fmean(values), spec)
+    return mean if len(values) == 1 else f"{mean} ({format(min(values), spec)}–{format(max(values), spec)})"
+
+
+def mean_of(data: dict, name: str, key: str) -> float | None:
+    values = [r[key] for r in runs_of(data, name) if r.get(key) is not None]
+    return statistics.fmean(values) if values else None
+
+
 def table_md(data: dict) -> str:
-    rows = data.get("rows", {})
-    fp = rows.get("fp32", {}).get("ppl")
-    lines = ["| row | stored bits/weight | ppl | Δppl vs fp | KL to fp | wall s | peak RSS MB | weights MB |",
-             "|---|---|---|---|---|---|---|---|"]
+    fp = mean_of(data, "fp32", "ppl")
+    lines = ["| row | seeds | stored bits/weight | ppl | Δppl vs fp | KL to fp | calib tokens | damp | "
+             "compute / dense dtype | wall s | CPU s | peak RSS MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, spec in ROWS.items():
-        r = rows.get(name)
-        if not r or spec["kind"] == "sensitivity":
+        runs = runs_of(data, name)
+        if not runs or spec["kind"] == "sensitivity":
             continue
-        bits = "fp32" if spec["kind"] == "fp" else f"{r['avg_bits']:.3f}"
-        dppl = f"{100 * (r['ppl'] / fp - 1):+.1f}%" if fp and name != "fp32" else ""
-        lines.append(f"| {name} | {bits} | {r['ppl']:.2f} | {dppl} | {_fmt(r.get('kl'), '.4f')} | "
-                     f"{_fmt(r.get('wall_s'), '.0f')} | {_fmt(r.get('peak_rss_mb'), '.0f')} | "
-                     f"{_fmt(r.get('weights_mb'), '.1f')} |")
+        r0 = runs[0]
+        bits = "fp32" if spec["kind"] == "fp" else f"{r0['avg_bits']:.3f}"
+        ppl = mean_of(data, name, "ppl")
+        dppl = f"{100 * (ppl / fp - 1):+.1f}%" if fp and name != "fp32" else ""
+        dtypes = "" if spec["kind"] == "fp" else f"{r0.get('compute_dtype')} / {','.join(r0.get('dense_dtypes', []))}"
+        lines.append(
+            f"| {name} | {','.join(str(r.get('seed', 0)) for r in runs)} | {bits} | "
+            f"{spread([r['ppl'] for r in runs], '.2f')} | {dppl} | {spread([r.get('kl') for r in runs], '.4f')} | "
+            f"{spread([r.get('calib_tokens') for r in runs], '.0f')} | {_fmt(r0.get('damp'), 'g')} | {dtypes} | "
+            f"{spread([r.get('wall_s') for r in runs], '.0f')} | {spread([r.get('cpu_s') for r in runs], '.0f')} | "
+            f"{spread([r.get('peak_rss_mb') for r in runs], '.0f')} |")
     return "\n".join(lines)
 
 
-def findings(data: dict) -> list[str]:
-    """The issue's targets, computed from the rows present."""
-    rows, out = data.get("rows", {}), []
+def phases_md(data: dict) -> list[str]:
+    """Where each GPTQ quantizer's wall time goes (means over its runs)."""
+    out = []
+    for name, spec in ROWS.items():
+        runs = runs_of(data, name)
+        if not runs or spec["kind"] not in ("ours", "gptqmodel") or spec.get("method") == "rtn":
+            continue
+        wall = statistics.fmean(r["wall_s"] for r in runs)
+        keys = list(dict.fromkeys(k for r in runs for k in r.get("phases_s", {})))
+        parts = [f"{k} {statistics.fmean(r['phases_s'].get(k, 0.0) for r in runs):.0f} s "
+                 f"({100 * statistics.fmean(r['phases_s'].get(k, 0.0) for r in runs) / wall:.0f}%)" for k in keys]
+        if parts:
+            out.append(f"{name} (wall {wall:.0f} s): " + "; ".join(parts))
+    return out
 
-    def ppl(name):
-        return rows.get(name, {}).get("ppl")
+
+def findings(data: dict) -> list[str]:
+    """Headline comparisons, computed from the rows present (means over seeds, min–max beside)."""
+    out = []
+
+    def rng(name, key, spec=".2f"):
+        return spread([r.get(key) for r in runs_of(data, name)], spec)
 
     for setting in ("4-asym", "3-asym", "4-sym", "3-sym"):
-        ours, gm, rtn = rows.get(f"layercut-{setting}"), rows.get(f"gptqmodel-{setting}"), rows.get(f"rtn-{setting}")
-        if ours and gm:
-            out.append(f"{setting}: layercut ppl {ours['ppl']:.2f} vs GPTQModel {gm['ppl']:.2f} "
-                       f"({100 * (ours['ppl'] / gm['ppl'] - 1):+.2f}%, target: at most +1%); KL {ours['kl']:.4f} vs "
-                       f"{gm['kl']:.4f}; wall {ours['wall_s']:.0f} s vs {gm['wall_s']:.0f} s "
-                       f"(= {ours['wall_s'] / gm['wall_s']:.2f}x, target <= 0.5x)")
-        if ours and rtn:
-            out.append(f"{setting}: layercut GPTQ ppl {ours['ppl']:.2f} vs RTN {rtn['ppl']:.2f} "
-                       f"({'beats' if ours['ppl'] < rtn['ppl'] else 'does NOT beat'} RTN)")
+        ours, gm = f"layercut-{setting}", f"gptqmodel-{setting}"
+        p_ours, p_gm = mean_of(data, ours, "ppl"), mean_of(data, gm, "ppl")
+        if p_ours and p_gm:
+            w_ours, w_gm = mean_of(data, ours, "wall_s"), mean_of(data, gm, "wall_s")
+            out.append(f"{setting}, matched settings: layercut ppl {rng(ours, 'ppl')} vs GPTQModel {rng(gm, 'ppl')} "
+                       f"({100 * (p_ours / p_gm - 1):+.2f}% of the means); KL {rng(ours, 'kl', '.4f')} vs "
+                       f"{rng(gm, 'kl', '.4f')}; wall {w_ours:.0f} s vs {w_gm:.0f} s (= {w_ours / w_gm:.2f}x)")
+        default = f"gptqmodel-{setting}-defaults"
+        if mean_of(data, default, "ppl") and p_ours:
+            out.append(f"{setting}: GPTQModel at its own defaults ppl {rng(default, 'ppl')}, KL "
+                       f"{rng(default, 'kl', '.4f')}, wall {mean_of(data, default, 'wall_s'):.0f} s")
+        p_rtn = mean_of(data, f"rtn-{setting}", "ppl")
+        if p_ours and p_rtn:
+            out.append(f"{setting}: layercut GPTQ ppl {p_ours:.2f} vs RTN {p_rtn:.2f} "
+                       f"({'beats' if p_ours < p_rtn else 'does NOT beat'} RTN)")
     labels = {"layercut-4-asym-natural": "natural", "layercut-4-asym-gar": "group-aware (GAR, GPTQModel's default)",
               "layercut-4-asym": "act-order + static groups (layercut's default)"}
-    if sum(n in rows for n in labels) > 1:
+    if sum(bool(runs_of(data, n)) for n in labels) > 1:
         out.append("column order, 4-bit asym: " + "; ".join(
-            f"{label} ppl {rows[n]['ppl']:.2f}, KL {rows[n]['kl']:.4f}" for n, label in labels.items() if n in rows))
-    p3, p4 = ppl("layercut-3-asym"), ppl("layercut-4-asym")
+            f"{label} ppl {rng(n, 'ppl')}, KL {rng(n, 'kl', '.4f')}" for n, label in labels.items() if runs_of(data, n)))
+    p3, p4 = mean_of(data, "layercut-3-asym", "ppl"), mean_of(data, "layercut-4-asym", "ppl")
     for name in ("mixed-layer", "mixed-group"):
-        m = rows.get(name)
+        m = (runs_of(data, name) or [None])[0]
         if m and p3 and p4:
             frac = (p3 - m["ppl"]) / (p3 - p4)
-            out.append(f"{name}: {m['avg_bits']:.4f} avg bits (uniform 3-bit: {BUDGET_3BIT:.4f}), ppl {m['ppl']:.2f}: "
-                       f"closes {100 * frac:.0f}% of the 3->4-bit gap ({p3:.2f} -> {p4:.2f}; target >= 30%); "
+            out.append(f"{name} (seed 0): {m['avg_bits']:.4f} avg bits (uniform 3-bit: {BUDGET_3BIT:.4f}), ppl "
+                       f"{m['ppl']:.2f}: closes {100 * frac:.0f}% of the 3->4-bit gap ({p3:.2f} -> {p4:.2f}); "
                        f"bits {m.get('bits_histogram')}, sensitivity '{m.get('sensitivity')}'")
-    if ppl("layercut-3-asym-linear") and p3:
-        lin = rows["layercut-3-asym-linear"]
+    lin = (runs_of(data, "layercut-3-asym-linear") or [None])[0]
+    if lin and p3:
         out.append(f"sequential='linear' (4 Hessian passes/block) at 3-bit asym: ppl {lin['ppl']:.2f}, wall "
-                   f"{lin['wall_s']:.0f} s vs 'block' ppl {p3:.2f}, wall {rows['layercut-3-asym']['wall_s']:.0f} s")
-    sens = rows.get("sensitivity")
+                   f"{lin['wall_s']:.0f} s vs 'block' ppl {p3:.2f}, wall {mean_of(data, 'layercut-3-asym', 'wall_s'):.0f} s")
+    sens = (runs_of(data, "sensitivity") or [None])[0]
     if sens:
         for proxy, c in sens["spearman"].items():
             per = ", ".join(f"{b} bits {v:.2f}" for b, v in c["per_bits"].items())
-            out.append(f"Spearman(KL, {proxy}) (4 × 256 tokens, units quantized in natural column order): across layers at {per}; all (layer, bits) pairs {c['all_pairs']:.2f}; "
+            out.append(f"Spearman(KL, {proxy}) (4 × 256 calibration tokens, units quantized in natural column "
+                       f"order): across layers at {per}; all (layer, bits) pairs {c['all_pairs']:.2f}; "
                        f"gains Δ(b)-Δ(b+1) {c['gains']:.2f}")
     return out
 
@@ -369,34 +507,45 @@ hidden size 576 is not a multiple of 128. Linears that share an input (q/k/v, ga
 solved in one GPTQ call (rows are independent given H). The default column order is act-order
 with static groups (`--act-order --static-groups`, both on by default): columns are taken in
 descending diag(H), group scales/zeros come from the original weight, so `g_idx = i // 64` and
-the checkpoint loads with `desc_act: false` everywhere; it measured better than GAR (GPTQModel's
-default) and than the natural order (rows `layercut-4-asym-*`). The allocator's default sensitivity
-is the block-output error (`output`): of the cheap proxies it ranks layers most like the true KL
-at each width (row "sensitivity" above), although all of them do so only weakly on this model.
+the checkpoint loads with `desc_act: false` everywhere. Column orders are compared on the
+validation split (`--text bundled:brown-val`, docs/results-quant-brown-val.md); the test split
+only reports.
 """
 
 
 def write_md(data: dict, path: Path) -> None:
     s = data["setup"]
-    missing = [n for n in ROWS if n not in data.get("rows", {})]
+    runs = data.get("runs", {})
+    wanted = TEST_ROWS if s["text"] == DEFAULT_EVAL_TEXT else VAL_ROWS
+    missing = [n for n in wanted if not any(k.rsplit("/", 1)[0] == n for k in runs)]
+    role = ("the test split: results are reported here and nothing is chosen on it"
+            if s["text"] == DEFAULT_EVAL_TEXT else "a split for choosing defaults, not for reporting")
+    flags = "" if s["text"] == DEFAULT_EVAL_TEXT else f" --text {s['text']}"
     text = [
-        "# Quantization results: SmolLM2-135M, group size 64",
+        f"# Quantization results: SmolLM2-135M, group size 64, on `{s['text']}`",
         "",
-        "Reproduce (2-core shared CPU, fp32; see the script's docstring for what each column means):",
+        "Reproduce (2-core shared CPU; see the script's docstring for what each column means):",
         "",
         "```",
         "GPTQMODEL_CPU_WORKERS=2 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/quant.py "
-        f"--samples {s['samples']} --seq-len {s['seq_len']} --max-tokens {s['max_tokens']}",
+        f"--samples {s['samples']} --seq-len {s['seq_len']} --max-tokens {s['max_tokens']} --damp {s['damp']} "
+        f"--seeds {','.join(map(str, s['seeds']))}{flags} --restart",
         "```",
         "",
-        f"Calibration: `{s['calib']}`, {s['samples']} × {s['seq_len']} tokens, the same token batches for every "
-        f"quantizer. Held-out: `{s['text']}`, first {s['max_tokens']} tokens, ctx {s['ctx']}; KL(fp ‖ quantized) "
-        "per token. Every checkpoint is evaluated through layercut's loader.",
+        f"Calibration: `{s['calib']}`, {s['samples']} × {s['seq_len']} tokens per seed, the same token batches for "
+        f"every quantizer. Evaluation: `{s['text']}` ({role}), first {s['max_tokens']} tokens, ctx {s['ctx']}; "
+        "KL(fp ‖ quantized) per token. Every checkpoint is evaluated through layercut's loader. Rows with several "
+        "seeds (calibration draws) show mean (min–max).",
         "",
         table_md(data),
         "",
         *[f"- {line}" for line in findings(data)],
         *([f"- Not run yet (the script runs them when called again): {', '.join(missing)}."] if missing else []),
+        "",
+        "Time split (mean over seeds; GPTQModel's regions come from its own `quant_region_timer`, "
+        "run in worker threads, so they may overlap and need not sum to the wall time):",
+        "",
+        *[f"- {line}" for line in phases_md(data)],
         "",
         NOTES,
     ]
@@ -404,56 +553,89 @@ def write_md(data: dict, path: Path) -> None:
     path.write_text("\n".join(text))
 
 
+# ------------------------------------------------------------------ parent side: driver
+
+
+def default_outputs(text: str) -> tuple[str, str]:
+    if text in (DEFAULT_EVAL_TEXT, "bundled:brown-heldout"):  # heldout: results from before the val/test split
+        return str(ROOT / "benchmarks/results/quant.json"), str(ROOT / "docs/results-quant.md")
+    slug = _slug(text)
+    return str(ROOT / f"benchmarks/results/quant-{slug}.json"), str(ROOT / f"docs/results-quant-{slug}.md")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=4096)
-    ap.add_argument("--only", help="comma-separated row names (default: all, in order)")
+    ap.add_argument("--text", default=DEFAULT_EVAL_TEXT,
+                    help="evaluation text (default %(default)s; bundled:brown-val to choose defaults)")
+    ap.add_argument("--damp", type=float, default=0.01, help="damping for every matched row (default %(default)s)")
+    ap.add_argument("--seeds", default="0,1,2", help="calibration seeds for the rows marked 'seeds'")
+    ap.add_argument("--only", help="comma-separated row names (default: the split's row set, in order)")
     ap.add_argument("--redo", action="store_true", help="re-run rows already in the JSON")
-    ap.add_argument("--json-out", default=str(ROOT / "benchmarks/results/quant.json"))
-    ap.add_argument("--md-out", default=str(ROOT / "docs/results-quant.md"))
+    ap.add_argument("--restart", action="store_true", help="discard the JSON's rows and setup; start afresh")
+    ap.add_argument("--json-out", help="default: benchmarks/results/quant.json for the test split, "
+                    "quant-<text>.json otherwise")
+    ap.add_argument("--md-out", help="default: docs/results-quant.md (test) or results-quant-<text>.md")
+    ap.add_argument("--from-json", help="only re-render the markdown (to --md-out) from this JSON")
     ap.add_argument("--work", help="folder for checkpoints and cached logits (default: a temp dir)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    json_default, md_default = default_outputs(args.text)
+    args.json_out = args.json_out or json_default
     if args.child:
         return run_child(args)
+    if args.from_json:
+        data = _load(Path(args.from_json))
+        write_md(data, Path(args.md_out or default_outputs(data["setup"]["text"])[1]))
+        return
+    args.md_out = args.md_out or md_default
 
     out = Path(args.json_out)
-    data = _load(out)
-    setup = {"threads": int(THREADS), "samples": args.samples, "seq_len": args.seq_len, "max_tokens": args.max_tokens, "group_size": GS,
-             "model": MODEL, "calib": "bundled:brown-calib", "text": "bundled:brown-heldout", "ctx": 512}
+    data = {} if args.restart else _load(out)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    setup = {"version": VERSION, "threads": int(THREADS), "samples": args.samples, "seq_len": args.seq_len,
+             "max_tokens": args.max_tokens, "group_size": GS, "model": MODEL, "calib": DEFAULT_CALIB_TEXT,
+             "text": args.text, "ctx": 512, "damp": args.damp, "seeds": seeds}
     if data.get("setup") and data["setup"] != setup:
-        sys.exit(f"{out} was made with {data['setup']}; pass --json-out elsewhere or delete it")
-    data["setup"] = setup
-    data.setdefault("rows", {})
+        sys.exit(f"{out} was made with {data['setup']}; pass --restart to start afresh, or --json-out elsewhere")
+    data = {"setup": setup, "runs": data.get("runs", {})}
     work = Path(args.work or Path(tempfile.gettempdir()) / "layercut-quant-bench")
     work.mkdir(parents=True, exist_ok=True)
-    names = args.only.split(",") if args.only else list(ROWS)
-    if "fp32" not in names and not (work / "ref_logits.pt").is_file():
+    names = args.only.split(",") if args.only else (TEST_ROWS if args.text == DEFAULT_EVAL_TEXT else VAL_ROWS)
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        sys.exit(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    if "fp32" not in names and not _ref_file(args, work).is_file():
         names = ["fp32", *names]
     for name in names:
-        if name in data["rows"] and not args.redo and not (name == "fp32" and not (work / "ref_logits.pt").is_file()):
-            continue
-        env = dict(os.environ, OMP_NUM_THREADS=THREADS, MKL_NUM_THREADS=THREADS)
-        cmd = [sys.executable, __file__, "--child", name, "--work", str(work), "--samples", str(args.samples),
-               "--seq-len", str(args.seq_len), "--max-tokens", str(args.max_tokens), "--json-out", str(out)]
-        print(f"== {name}", flush=True)
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        rows = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
-        if proc.returncode != 0 or not rows:
-            (work / f"{name}.log").write_text(proc.stdout + "\n" + proc.stderr)
-            print(f"   FAILED (exit {proc.returncode}); log: {work / name}.log", flush=True)
-            continue
-        data["rows"][name] = json.loads(rows[-1])
-        data["rows"][name]["process_s"] = time.perf_counter() - t0
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(data, indent=2, default=str) + "\n")
-        r = data["rows"][name]
-        print("   " + ", ".join(f"{k} {v:.4g}" for k, v in r.items() if isinstance(v, float)), flush=True)
+        for seed in (seeds if ROWS[name].get("seeds") else [0]):
+            key = run_key(name, seed)
+            ref_missing = name == "fp32" and not _ref_file(args, work).is_file()
+            if key in data["runs"] and not args.redo and not ref_missing:
+                continue
+            env = dict(os.environ, OMP_NUM_THREADS=THREADS, MKL_NUM_THREADS=THREADS)
+            cmd = [sys.executable, __file__, "--child", name, "--seed", str(seed), "--work", str(work),
+                   "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--max-tokens", str(args.max_tokens),
+                   "--text", args.text, "--damp", str(args.damp), "--json-out", str(out)]
+            print(f"== {key}", flush=True)
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            rows = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+            if proc.returncode != 0 or not rows:
+                log = work / f"{name}-seed{seed}.log"
+                log.write_text(proc.stdout + "\n" + proc.stderr)
+                print(f"   FAILED (exit {proc.returncode}); log: {log}", flush=True)
+                continue
+            data["runs"][key] = {**json.loads(rows[-1]), "process_s": time.perf_counter() - t0}
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(data, indent=2, default=str) + "\n")
+            r = data["runs"][key]
+            print("   " + ", ".join(f"{k} {v:.4g}" for k, v in r.items() if isinstance(v, float)), flush=True)
     print(table_md(data))
-    for line in findings(data):
+    for line in findings(data) + phases_md(data):
         print("- " + line)
     write_md(data, Path(args.md_out))
 

@@ -6,4 +6,4 @@ evaluation text from held-out files that no calibration or healing run ever sees
 """
 
 DEFAULT_CALIB_TEXT = "bundled:brown-calib"
-DEFAULT_EVAL_TEXT = "bundled:brown-heldout"
+DEFAULT_EVAL_TEXT = "bundled:brown-test"

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from calibrate.data import CalibSet
 from compress.arch import ArchSpec, arch_for, get_submodule
+from compress.lazy import lazy_of
 
 HookFn = Callable[[int, torch.Tensor, torch.Tensor], None]  # (batch_index, module_input, module_output)
 
@@ -157,10 +158,13 @@ def capture_inputs(
     spec = spec or arch_for(model)
     base = spec.base_of(model)
     layers = spec.layers_of(model)
+    lazy = lazy_of(model)
+    if lazy is not None:  # the base model without its blocks: embeddings, final norm
+        lazy.prepare_capture()
     originals = list(layers)
     sink: list[list[tuple[tuple, dict]]] = [[] for _ in originals]
     first: list[torch.Tensor] = []
-    device = next(model.parameters()).device
+    device = model.get_input_embeddings().weight.device
     try:
         for i in range(len(originals)):
             layers[i] = _Recorder(i, sink, first)
@@ -186,18 +190,23 @@ def run_blocks(
 
     ``device``: where each block runs (moved there for its turn and back). Defaults to
     the model's device. Activations stay on that device.
+
+    A :class:`compress.lazy.LazyModel`'s model is streamed: each block is read from the
+    checkpoint for its turn and released after the callbacks, so changes a callback makes to
+    a block must be saved within its turn.
     """
     spec = arch_for(model)
     layers = spec.layers_of(model)
     callbacks = list(callbacks)
-    home = next(model.parameters()).device
+    lazy = lazy_of(model)  # a streamed model's blocks are read onto the CPU for their turn
+    home = torch.device("cpu") if lazy is not None else model.get_input_embeddings().weight.device
     device = torch.device(device) if device is not None else home
     hidden, call_args = capture_inputs(model, calib, batch_size, spec)
     masks = [m.bool().to(device) for _, m in calib.split(batch_size)]
     hidden = [h.to(device) for h in hidden]
     bar = tqdm(range(len(layers)), desc=desc, disable=not progress, unit="block")
     for index in bar:
-        block = layers[index]
+        block = lazy.block(index) if lazy is not None else layers[index]
         if device != home:
             block.to(device)
         run = BlockRun(
@@ -212,7 +221,9 @@ def run_blocks(
         for callback in callbacks:
             callback(run)
         hidden = run.outputs()
-        if device != home:
+        if lazy is not None:
+            lazy.release(lazy.block_path(index))
+        elif device != home:
             block.to(home)
         call_args[index] = []  # free this block's masks / rotary tensors early
     return hidden

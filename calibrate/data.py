@@ -7,8 +7,11 @@ Usage::
     calib = calibration_batch(tokenizer, "bundled:brown-calib", samples=128, seq_len=512, seed=0)
     calib.input_ids, calib.attention_mask             # [N, L] each
 
-Sources: ``bundled:brown-calib`` / ``bundled:brown-heldout`` (the Brown corpus, split
-4:1 by file id, see ``calibrate/data/brown.json``), a local ``.txt`` file (documents
+Sources: the bundled Brown corpus, split by file id (``calibrate/data/brown.json`` lists
+every split's file ids): ``bundled:brown-calib`` (400 files, calibration and healing),
+``bundled:brown-val`` (50 held-out files, for choosing defaults), ``bundled:brown-test``
+(the other 50 held-out files, for reporting results) and ``bundled:brown-heldout`` (val +
+test, what results before the split were measured on); a local ``.txt`` file (documents
 separated by blank lines), a local ``.jsonl`` file (a ``"text"`` field per line), or
 ``hf:NAME[:CONFIG][@SPLIT]`` through ``datasets.load_dataset`` (offline-friendly:
 local dataset folders and cached datasets work without a network).
@@ -26,7 +29,10 @@ import torch
 from compress.errors import LayercutError
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-BUNDLED_TEXTS = {"brown-calib": "brown-calib.txt.gz", "brown-heldout": "brown-heldout.txt.gz"}
+BUNDLED_TEXTS = {name: f"{name}.txt.gz"
+                 for name in ("brown-calib", "brown-heldout", "brown-val", "brown-test")}
+# Text no calibration or healing run may train on: the held-out files and their two halves.
+EVAL_TEXTS = ("bundled:brown-heldout", "bundled:brown-val", "bundled:brown-test")
 
 
 @dataclass

@@ -1,48 +1,99 @@
-"""The ``layercut`` command line: a thin layer over the public functions.
+"""The ``layercut`` command line: a thin layer over the stages' ``run`` functions.
 
 Usage::
 
     layercut eval bundled:smollm2-135m --json
-    layercut --help
+    layercut --help            # every command; `layercut quantize --help` for one
+    layercut -v run recipes/smollm2-demo.yaml -o runs/demo
 
-Every subcommand lives in ``compress/commands/<name>.py`` and calls one public function.
-A :class:`~compress.errors.LayercutError` becomes one ``error: ...`` line on stderr and
-a non-zero exit code; ``--json`` prints one JSON object as the last line of stdout.
+The stage commands are generated from the stage configs (``compress/commands/stage.py``);
+``run`` and ``push`` are in ``compress/commands/``. A :class:`~compress.errors.LayercutError`
+or a bad flag becomes one ``error: ...`` line on stderr and a non-zero exit code (2 for
+bad input); ``--json`` prints one JSON object as the last line of stdout. Torch is
+imported only when a command runs, so ``--help`` is fast.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
+import re
 import sys
 
 from compress.errors import LayercutError
 
-# Subcommand modules, in the order `layercut --help` lists them.
-COMMANDS = [
-    "compress.commands.run",
-    "compress.commands.score",
-    "compress.commands.prune",
-    "compress.commands.heal",
-    "compress.commands.quantize",
-    "compress.commands.eval",
-    "compress.commands.export",
-    "compress.commands.push",
-]
+# in the order `layercut --help` lists them
+COMMANDS = ("run", "score", "prune", "heal", "quantize", "eval", "export", "push")
+STAGE_COMMANDS = ("score", "prune", "heal", "quantize", "eval", "export")
+# Third-party loggers that print noise unrelated to the user's command (torchao, pulled in
+# by gptqmodel, warns about CUDA-only .so files it cannot load on a CPU machine).
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="layercut",
-        description="Post-training compression for causal language models.",
-    )
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one ``error:`` line (exit 2), with a suggestion."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        from compress.stages.base import closest
+
+        bad = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if bad:
+            choices = re.findall(r"'([^']*)'", bad.group(2)) or [c.strip() for c in bad.group(2).split(",")]
+            near = closest(bad.group(1), choices)
+            message += f", did you mean '{near}'?" if near else ""
+        print(f"error: {self.prog.removeprefix('layercut ')}: {message}" if self.prog != "layercut"
+              else f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("layercut")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_parser() -> Parser:
+    from compress.commands import push, run, stage
+
+    parser = Parser(prog="layercut", description="Post-training compression for causal language models.",
+                    epilog="examples:\n  layercut run recipes/smollm2-demo.yaml -o runs/demo\n"
+                           "  layercut quantize bundled:smollm2-135m -o q4 --bits 4\n\n"
+                           "`layercut COMMAND --help` lists a command's options with their defaults.",
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"layercut {version()}")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="log more: -v info, -vv debug (default: warnings only)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="errors only, no progress bars (default: off)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    kw = dict(formatter_class=argparse.RawDescriptionHelpFormatter)
     for name in COMMANDS:
-        importlib.import_module(name).register(sub)
+        if name in STAGE_COMMANDS:
+            stage.register(sub, name, **kw)
+        else:
+            {"run": run, "push": push}[name].register(sub, **kw)
     return parser
+
+
+def parse(parser: Parser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse; an unknown flag is one error line naming the closest flag of that command."""
+    from compress.stages.base import closest
+
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+        flag = next((x for x in extra if x.startswith("-")), None)
+        if flag is None:
+            sub.error(f"unexpected argument '{extra[0]}'")
+        options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+        near = closest(flag.split("=")[0], options)
+        sub.error(f"unknown option {flag}" + (f", did you mean {near}?" if near else ""))
+    return args
 
 
 def emit(result: dict, as_json: bool) -> None:
@@ -56,17 +107,38 @@ def emit(result: dict, as_json: bool) -> None:
             print(f"{key:<{width}}  {value}")
 
 
-# Third-party loggers that print noise unrelated to the user's command (torchao, pulled in
-# by gptqmodel, warns about CUDA-only .so files it cannot load on a CPU machine).
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+def _logging(verbose: int, quiet: bool) -> tuple[logging.Handler, int]:
+    """The application (not the library) owns the root handler: warnings, or more with -v.
+
+    Returns the handler and the root level to restore (``main`` undoes both: tests call it in-process).
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s" if verbose else "%(message)s"))
+    handler.setLevel(logging.ERROR if quiet else logging.DEBUG if verbose > 1 else
+                     logging.INFO if verbose else logging.WARNING)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    level = root.level
+    if verbose:
+        root.setLevel(min(root.level or logging.WARNING, handler.level))
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    if quiet:  # transformers' and the Hub's own progress bars too
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    return handler, level
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parse(parser, argv)
+    except SystemExit as exc:  # --help, --version (0) or a bad command line (2)
+        return int(exc.code or 0)
+    handler, level = _logging(args.verbose, args.quiet)
     try:
         result = args.handler(args)
     except LayercutError as exc:
@@ -77,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    finally:
+        logging.getLogger().removeHandler(handler)
+        logging.getLogger().setLevel(level)
     if result is not None:
         emit(result, getattr(args, "json", False))
     return 0

@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from compress.errors import GateFailed, LayercutError
-from compress.recipe_stages import parse_fraction
+from compress.stages.base import parse_fraction
 
 
 @dataclass

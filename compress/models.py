@@ -21,6 +21,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -78,23 +79,64 @@ def bundled_gguf_path(name: str) -> Path:
     return path
 
 
-def resolve_model(spec: str | os.PathLike) -> Path:
-    """Return a local HF checkpoint directory for ``spec``, converting GGUF if needed."""
+def resolve_model(spec: str | os.PathLike, convert_dtype: torch.dtype | None = None) -> Path:
+    """Return a local HF checkpoint directory for ``spec``.
+
+    ``spec`` is, in this order: ``bundled:NAME``; an existing local path (a checkpoint
+    directory or a ``.gguf`` file: a local path always wins); else a Hub id
+    ``owner/name[@revision]``, resolved through ``huggingface_hub.snapshot_download`` (so the
+    standard local hub cache works offline, with ``HF_HUB_OFFLINE=1``).
+
+    GGUF inputs are converted once, one tensor at a time, into ``convert_dtype`` (default
+    float32: dequantized GGUF values are exact there, not in bfloat16) under
+    ``$LAYERCUT_CACHE/models``; the dtype is part of the cache key.
+    """
     text = str(spec)
+    dtype = convert_dtype or torch.float32
+    tag = str(dtype).removeprefix("torch.")
     if text.startswith("bundled:"):
         name = text.split(":", 1)[1]
         gguf = bundled_gguf_path(name)
-        return _converted_gguf(gguf, cache_dir() / "models" / name, source=BUNDLED_MODELS[name])
+        return _converted_gguf(gguf, cache_dir() / "models" / f"{name}-{tag}", dtype,
+                               source=BUNDLED_MODELS[name])
     path = Path(text).expanduser()
     if not path.exists():
-        raise LayercutError(f"model not found: {path} (expected a directory, a .gguf file or bundled:NAME)")
+        if HUB_ID.match(text):
+            return _hub_snapshot(text)
+        raise LayercutError(
+            f"model not found: {path} (expected a directory, a .gguf file, bundled:NAME or a Hub id owner/name)"
+        )
     if path.is_file():
         if path.suffix != ".gguf":
             raise LayercutError(f"{path} is a file but not a .gguf; pass a checkpoint directory")
         digest = _file_digest(path)
-        return _converted_gguf(path, cache_dir() / "models" / f"gguf-{path.stem}-{digest}")
+        return _converted_gguf(path, cache_dir() / "models" / f"gguf-{path.stem}-{digest}-{tag}", dtype)
     if not (path / "config.json").is_file():
         raise LayercutError(f"{path} has no config.json: not a Hugging Face model directory")
+    return path
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.py", "*.jinja", "*.md"]  # never pickles
+
+
+def _hub_snapshot(repo: str) -> Path:
+    """A Hub id ``owner/name[@revision]`` as its local snapshot folder (from the hub cache when offline)."""
+    from huggingface_hub import constants, snapshot_download
+
+    repo_id, _, revision = repo.partition("@")
+    try:
+        folder = snapshot_download(repo_id, revision=revision or None, allow_patterns=HUB_FILES)
+    except Exception as exc:  # offline-and-not-cached, unknown repo, network: one clear line
+        where = "it is not in the local hub cache and HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE \
+            else str(exc).splitlines()[0]
+        raise LayercutError(
+            f"model not found: {repo} is not a local path, and as a Hub id {where} "
+            f"(cache: {constants.HF_HUB_CACHE})"
+        ) from exc
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        raise LayercutError(f"Hub model {repo}: the snapshot has no config.json")
     return path
 
 
@@ -103,35 +145,30 @@ def _file_digest(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
 
 
-def _converted_gguf(gguf: Path, target: Path, source: BundledModel | None = None) -> Path:
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def has_weights(folder: Path) -> bool:
+    """Whether ``folder`` holds a complete-looking checkpoint: config plus one shard or an index."""
+    return (folder / "config.json").is_file() and (
+        (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+    )
 
-    print(f"layercut: converting {gguf.name} to a dense checkpoint in {target} (once)", file=sys.stderr)
-    folder, name = str(gguf.parent), gguf.name
-    try:
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    except Exception as exc:  # transformers raises many types on a bad GGUF
-        raise LayercutError(f"cannot read GGUF {gguf}: {exc}") from exc
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.dtype = torch.float32
-    with torch.device("meta"):
-        fresh = AutoModelForCausalLM.from_config(config)
-    fresh.load_state_dict(loaded.state_dict(), assign=True, strict=False)
-    fresh.tie_weights()
+
+def _converted_gguf(gguf: Path, target: Path, dtype: torch.dtype, source: BundledModel | None = None) -> Path:
+    if has_weights(target):
+        return target
+    from compress.gguf_convert import check_supported, convert_gguf
+
+    check_supported(gguf)
+    print(f"layercut: converting {gguf.name} to a dense {dtype} checkpoint in {target} (once)", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
-        fresh.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        provenance = {"converted_from": str(gguf), "gguf_sha256": _sha256(gguf)}
+        convert_gguf(gguf, tmp, dtype=dtype)
+        provenance = {"converted_from": str(gguf), "gguf_sha256": _sha256(gguf), "dtype": str(dtype)}
         if source is not None:
             provenance.update(source=source.source, license=source.license)
         (tmp / "layercut_source.json").write_text(json.dumps(provenance, indent=2))
+        if has_weights(target):  # another process finished the same conversion first
+            return target
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
@@ -204,23 +241,35 @@ def load_model(
 
 
 def _check_weights(path: Path) -> None:
-    """Refuse pickles and corrupt safetensors before transformers sees them."""
+    """Refuse pickles, corrupt or truncated safetensors and broken shard indexes before loading."""
     from safetensors import safe_open
 
     files = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
-    if not files:
+    index_file = path / "model.safetensors.index.json"
+    if not files and not index_file.is_file():
         pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
         hint = f" (found {', '.join(pickles)}; layercut never loads pickles)" if pickles else ""
         raise LayercutError(f"{path}: no .safetensors weights{hint}")
+    keys: dict[str, set[str]] = {}
     for file in files:
+        if file.stat().st_size < 8:
+            raise LayercutError(f"{file}: corrupt safetensors file (truncated)")
         try:
             with safe_open(str(file), framework="pt") as fh:
-                fh.keys()
+                keys[file.name] = set(fh.keys())
         except Exception as exc:
             raise LayercutError(f"{file}: corrupt safetensors file ({exc})") from exc
-        size = file.stat().st_size
-        if size < 8:
-            raise LayercutError(f"{file}: corrupt safetensors file (truncated)")
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise LayercutError(f"{index_file}: not a safetensors index (no weight_map)") from exc
+        for shard in sorted(set(weight_map.values())):
+            if shard not in keys:
+                raise LayercutError(f"{path}: shard {shard} named in {index_file.name} is missing")
+        for tensor, shard in weight_map.items():
+            if tensor not in keys[shard]:
+                raise LayercutError(f"{path}: {index_file.name} names tensor {tensor}, which {shard} does not hold")
 
 
 def weight_bytes(path: str | os.PathLike) -> int:

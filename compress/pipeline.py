@@ -43,7 +43,8 @@ import torch
 from compress.errors import GateFailed, LayercutError
 from compress.recipe import Recipe
 from compress.resources import PeakRSS
-from compress.stages import ADAPTERS, StageContext, StageResult
+from compress.stages import stage_module
+from compress.stages.base import RunEnv
 from export.checkpoint import atomic_dir, check_output_dir
 from export.export import probe_writable
 
@@ -151,10 +152,6 @@ def run_recipe(recipe: Recipe, out: str | os.PathLike, resume: bool = False, pro
     """
     from compress.models import resolve_model
 
-    missing = [s.stage for s in recipe.stages if s.stage not in ADAPTERS]
-    if missing:
-        raise LayercutError(f"stage '{missing[0]}' is not available in this build of layercut "
-                            f"(available: {', '.join(ADAPTERS)})")
     out = Path(out).expanduser()
     if out.exists() and not resume:
         raise LayercutError(f"output {out} already exists (pass --resume to continue that run, or remove it)")
@@ -169,18 +166,24 @@ def run_recipe(recipe: Recipe, out: str | os.PathLike, resume: bool = False, pro
     try:
         return _run(recipe, out, source, progress)
     finally:
-        logging.getLogger().removeHandler(handler)
+        for name in _LOGGERS:
+            logging.getLogger(name).removeHandler(handler)
         handler.close()
 
 
 def _file_log(path: Path) -> logging.Handler:
     handler = logging.FileHandler(path, mode="a", encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    for name in ("layercut", "compress", "heal", "calibrate", "export"):
+    for name in _LOGGERS:
+        logging.getLogger(name).addHandler(handler)
+    for name in _LOGGERS[:-1]:
         logging.getLogger(name).setLevel(logging.INFO)
     return handler
+
+
+# layercut's own loggers (and Python warnings): the run's log files listen to these; the root
+# logger is the application's (the CLI's), never touched here
+_LOGGERS = ("layercut", "compress", "heal", "calibrate", "export", "py.warnings")
 
 
 def _run(recipe: Recipe, out: Path, source: Path, progress: bool) -> dict:
@@ -220,36 +223,66 @@ def _run(recipe: Recipe, out: Path, source: Path, progress: bool) -> dict:
     return report
 
 
+# What each stage writes into its folder: (its `output`, extra keyword arguments of its `run`).
+_OUTPUTS = {
+    "score": ("scores.json", {"plot": "scores.png"}),
+    "prune": ("model", {"plot": "scores.png"}),
+    "heal": ("model", {}),
+    "quantize": ("model", {}),
+    "export": ("model", {}),
+    "eval": ("eval.json", {}),
+}
+# timings, speeds and absolute paths stay out of a stage's report (report.json holds the timings)
+_VOLATILE = ("seconds", "output", "source", "timings", "tokens_per_s", "adapter")
+
+
+def _stage_report(report: dict, tmp: Path) -> dict:
+    """The stage's report without timings and input paths; paths inside the stage folder made relative."""
+    prefix = str(tmp) + os.sep
+
+    def rel(x):
+        if isinstance(x, dict):
+            return {k: rel(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [rel(v) for v in x]
+        return x.removeprefix(prefix) if isinstance(x, str) else x
+
+    return rel({k: v for k, v in report.items() if k not in _VOLATILE and not k.endswith("_seconds")
+                and not (k in ("model", "teacher") and isinstance(v, str))})
+
+
 def _run_stage(recipe, cfg, index: int, name: str, stage_dir: Path, current: Path, source: Path,
                records: list[dict], progress: bool) -> dict:
-    adapter = ADAPTERS.get(cfg.stage)
-    if adapter is None:
-        raise LayercutError(f"stage '{cfg.stage}' is not available in this build of layercut")
+    module = stage_module(cfg.stage)
+    output, extra = _OUTPUTS[cfg.stage]
     with atomic_dir(stage_dir) as tmp:
         stage_log = logging.FileHandler(tmp / "log.txt", encoding="utf-8")
         stage_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        logging.getLogger().addHandler(stage_log)
+        for logger in _LOGGERS:
+            logging.getLogger(logger).addHandler(stage_log)
         logging.captureWarnings(True)
         try:
             _seed(recipe.seed + index)
-            ctx = StageContext(recipe=recipe, source=source, index=index, seed=recipe.seed + index,
-                               progress=progress, previous=records, run_dir=stage_dir.parent)
+            env = RunEnv(origin=source, origin_name=recipe.model, progress=progress,
+                         trust_remote_code=recipe.trust_remote_code, run_dir=stage_dir.parent)
+            kwargs = {k: tmp / v for k, v in extra.items()}
+            if cfg.stage == "export":
+                kwargs["extra_files"] = {"recipe.yaml": recipe.to_yaml()}
             log.info("stage %s: %s", name, json.dumps(cfg.model_dump(mode="json")))
             with PeakRSS() as rss:
                 start, cpu = time.perf_counter(), time.process_time()
-                result: StageResult = adapter(cfg, current, tmp, ctx)
+                report = module.run(cfg, current, tmp / output, env, **kwargs)
                 wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-            checkpoint = None
-            if result.checkpoint is not None:
-                checkpoint = f"{name}/{Path(result.checkpoint).relative_to(tmp).as_posix()}"
+            checkpoint = f"{name}/{output}" if output == "model" else None
             record = {
                 "index": index, "stage": cfg.stage, "dir": name, "input": _rel(current, stage_dir.parent),
                 "checkpoint": checkpoint, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "peak_rss_mb": rss.peak_mb,
-                "rss_method": rss.method, "report": result.report,
+                "rss_method": rss.method, "report": _stage_report(report, tmp),
             }
             log.info("stage %s done in %.1fs, peak RSS %.0f MB", name, wall, rss.peak_mb)
         finally:
-            logging.getLogger().removeHandler(stage_log)
+            for logger in _LOGGERS:
+                logging.getLogger(logger).removeHandler(stage_log)
             stage_log.close()
             logging.captureWarnings(False)
         _write_json_atomic(tmp / "stage.json", record)
@@ -317,8 +350,6 @@ def _finalize_export(recipe: Recipe, out: Path, source: Path, report: dict) -> N
 
 def summary_table(report: dict) -> str:
     """One line per stage: wall time, peak RSS and the stage's headline figures."""
-    from compress.stages import headline
-
     rows = [("stage", "wall s", "CPU s", "peak RSS MB", "result")]
     for r in report["stages"]:
         rows.append((r["dir"], f"{r['wall_s']:.1f}", f"{r.get('cpu_s', 0.0):.1f}", f"{r['peak_rss_mb']:.0f}",
@@ -329,3 +360,29 @@ def summary_table(report: dict) -> str:
     lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {d:>{widths[3]}}  {e}" for a, b, c, d, e in rows]
     lines.insert(1, "-" * max(len(line) for line in lines))
     return "\n".join(lines)
+
+
+def headline(stage: str, report: dict) -> str:
+    """A one-line summary of a stage's report for the run's summary table."""
+    if stage == "eval":
+        m, b = report["model"], report.get("baseline")
+        text = f"ppl {m['ppl']:.3f}" + (f" (source {b['ppl']:.3f})" if b else "")
+        if m.get("kl") is not None:
+            text += f", KL {m['kl']:.4f}"
+        text += f", {m['tokens_per_s']:.0f} tok/s"
+        if report.get("gates"):
+            text += ", gates " + ("passed" if report["gates_passed"] else "FAILED: " + ", ".join(report["failed_gates"]))
+        return text
+    if stage == "export":
+        return f"{len(report['files'])} files, {report['bytes'] / 2**20:.1f} MiB weights"
+    if stage == "prune":
+        return (f"{report.get('transform')} {report.get('what')} {report.get('layers')}: "
+                f"{report.get('num_layers_before')} -> {report.get('num_layers_after')} layers")
+    if stage == "quantize":
+        return f"avg {report.get('avg_bits', float('nan')):.2f} bits"
+    if stage == "heal":
+        return f"{report.get('steps', '?')} steps, loss {report.get('loss_start', float('nan')):.4g} -> " \
+               f"{report.get('loss_end', float('nan')):.4g}"
+    if stage == "score":
+        return f"methods {', '.join(report.get('methods', []))}"
+    return ""

@@ -4,17 +4,24 @@ Usage::
 
     layercut run recipes/smollm2-demo.yaml -o runs/demo
 
-    from compress.recipe import Recipe, PruneStage, EvalStage
-    recipe = Recipe.from_yaml("recipes/smollm2-demo.yaml")       # or build it in Python:
-    recipe = Recipe(model="bundled:smollm2-135m", stages=[PruneStage(drop=0.25), EvalStage()])
-    print(recipe.to_yaml())                                      # the resolved recipe round-trips
+    >>> from compress.recipe import Recipe, PruneConfig, EvalConfig
+    >>> recipe = Recipe(model="bundled:smollm2-135m",
+    ...                 stages=[PruneConfig(drop="25%", select="angular"), EvalConfig(max_tokens=1024)])
+    >>> recipe.to_dict()["stages"][1]                            # every default filled in
+    {'eval': {'text': ..., 'ctx': 512, 'max_tokens': 1024, 'batch_size': 4, 'dtype': 'auto', 'whole_model': False, 'reference': 'source', ...}}
+    >>> import yaml
+    >>> Recipe.from_dict(yaml.safe_load(recipe.to_yaml())) == recipe   # the resolved recipe round-trips
+    True
 
 A recipe is YAML with a ``version``, a ``model`` and an ordered list of ``stages``; each
-stage is a one-key mapping ``{name: {options}}`` whose options are those of the stage's
-CLI command (``--group-size`` becomes ``group_size``). Validation is strict (pydantic,
-``extra="forbid"``, no type coercion): an unknown key names the key and the keys allowed
-there, a wrong type names the field, and a stage order that makes no sense (quantize
-before prune, heal after quantize, anything but eval after export) is refused.
+stage is a one-key mapping ``{name: {options}}`` whose options are the fields of the
+stage's config class (:mod:`compress.stages`), the same as its CLI flags
+(``--group-size`` becomes ``group_size``). Validation is strict (pydantic,
+``extra="forbid"``, no type coercion): an unknown key names the closest valid key and
+the keys allowed there, a wrong type names the field and the expected type, and a stage
+order that makes no sense (quantize before prune, heal after quantize, anything but
+eval after export) is refused. A stage with a ``seed`` option takes the recipe's seed
+unless it sets its own.
 """
 
 from __future__ import annotations
@@ -24,33 +31,33 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from compress.errors import LayercutError
-from compress.recipe_stages import (
-    STAGE_TYPES,
-    EvalStage,
-    ExportStage,
-    HealStage,
-    PruneStage,
-    QuantizeStage,
-    ScoreStage,
-    Strict,
-)
+from compress.stages import config_types
+from compress.stages.base import StageConfig, unknown_key_message
+from compress.stages.eval import EvalConfig
+from compress.stages.export import ExportConfig
+from compress.stages.heal import HealConfig
+from compress.stages.prune import PruneConfig
+from compress.stages.quantize import QuantizeConfig
+from compress.stages.score import ScoreConfig
 
 RECIPE_VERSION = 1
+STAGE_TYPES = config_types()
 
-StageConfig = Annotated[
-    ScoreStage | PruneStage | HealStage | QuantizeStage | ExportStage | EvalStage,
+StageOptions = Annotated[
+    ScoreConfig | PruneConfig | HealConfig | QuantizeConfig | ExportConfig | EvalConfig,
     Field(discriminator="stage"),
 ]
 
 __all__ = [
-    "Recipe", "StageConfig", "ScoreStage", "PruneStage", "HealStage", "QuantizeStage", "ExportStage",
-    "EvalStage", "load_recipe", "RECIPE_VERSION", "STAGE_TYPES",
+    "Recipe", "StageOptions", "ScoreConfig", "PruneConfig", "HealConfig", "QuantizeConfig", "ExportConfig",
+    "EvalConfig", "load_recipe", "RECIPE_VERSION", "STAGE_TYPES",
 ]
 
-class Recipe(Strict):
+
+class Recipe(StageConfig):
     """The whole run: source model, seed and the ordered stages."""
 
     version: int = RECIPE_VERSION
@@ -58,8 +65,11 @@ class Recipe(Strict):
     name: str | None = None
     seed: int = 0
     trust_remote_code: bool = False
-    stages: list[StageConfig] = Field(min_length=1)
+    stages: list[StageOptions] = Field(min_length=1)
 
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return list(cls.model_fields)
 
     @field_validator("version")
     @classmethod
@@ -70,14 +80,18 @@ class Recipe(Strict):
 
     @field_validator("stages", mode="before")
     @classmethod
-    def _stage_mappings(cls, items: Any) -> Any:
-        """Turn YAML's ``- prune: {...}`` into ``{"stage": "prune", ...}`` for the tagged union."""
+    def _stage_mappings(cls, items: Any, info: ValidationInfo) -> Any:
+        """Turn YAML's ``- prune: {...}`` into ``{"stage": "prune", ...}`` for the tagged union,
+        and give stages with a ``seed`` option the recipe's seed where they set none."""
         if not isinstance(items, list):
             return items
         names = ", ".join(STAGE_TYPES)
+        seed = info.data.get("seed", 0)
         out = []
         for i, item in enumerate(items):
             if isinstance(item, BaseModel):
+                if "seed" in type(item).model_fields and "seed" not in item.model_fields_set:
+                    item = item.model_copy(update={"seed": seed})
                 out.append(item)
                 continue
             if isinstance(item, str) and item in STAGE_TYPES:
@@ -86,7 +100,7 @@ class Recipe(Strict):
                 raise ValueError(f"stages[{i}]: expected a mapping like '- prune: {{...}}' (stages: {names})")
             if "stage" in item:
                 if item["stage"] not in STAGE_TYPES:
-                    raise ValueError(f"stages[{i}]: unknown stage '{item['stage']}' (stages: {names})")
+                    raise ValueError(f"stages[{i}]: {_unknown_stage(item['stage'])}")
                 out.append(item)
                 continue
             if len(item) != 1:
@@ -94,14 +108,15 @@ class Recipe(Strict):
                                  f"stages: {names})")
             (name, options), = item.items()
             if name not in STAGE_TYPES:
-                raise ValueError(f"stages[{i}]: unknown stage '{name}' (stages: {names})")
+                raise ValueError(f"stages[{i}]: {_unknown_stage(name)}")
             if options is None:
                 options = {}
             if not isinstance(options, dict):
                 raise ValueError(f"stages[{i}].{name}: options must be a mapping, got {type(options).__name__}")
             if "stage" in options:
-                raise ValueError(f"stages[{i}].{name}: unknown key 'stage' "
-                                 f"(allowed: {', '.join(STAGE_TYPES[name].option_names())})")
+                raise ValueError(f"stages[{i}].{name}: " + unknown_key_message("stage", STAGE_TYPES[name].option_names()))
+            if "seed" in STAGE_TYPES[name].model_fields and "seed" not in options:
+                options = {**options, "seed": seed}
             out.append({"stage": name, **options})
         return out
 
@@ -142,6 +157,14 @@ class Recipe(Strict):
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> Recipe:
         return load_recipe(path)
+
+
+def _unknown_stage(name: Any) -> str:
+    from compress.stages.base import closest
+
+    near = closest(str(name), list(STAGE_TYPES))
+    return f"unknown stage '{name}'" + (f", did you mean '{near}'?" if near else "") + \
+        f" (stages: {', '.join(STAGE_TYPES)})"
 
 
 def check_stage_order(names: list[str]) -> None:
@@ -206,11 +229,18 @@ def format_validation_error(exc: ValidationError, data: Any) -> str:
     elif err["type"] == "extra_forbidden":  # our before-validator normally catches these first
         parent, _, key = loc.rpartition(".")
         msg, loc = f"unknown key '{key}'", parent
+    elif err["type"] in _BOUNDS:  # "stages[0].heal.steps must be >= 1 (got 0)"
+        op, key = _BOUNDS[err["type"]]
+        return f"{loc} must be {op} {err['ctx'][key]:g} (got {err['input']!r})"
     elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
         msg = f"{msg} (got {err['input']!r})"
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     prefix = f"{loc}: " if loc and not msg.startswith(loc) else ""
     return f"{prefix}{msg}{more}"
+
+
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"),
+           "less_than": ("<", "lt")}
 
 
 class _Dumper(yaml.SafeDumper):

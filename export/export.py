@@ -6,10 +6,10 @@ Usage::
     layercut export runs/demo/04-quantize/model -o dense --dequantize  # dense weights from GPTQ
 
     from export.export import export_checkpoint
-    export_checkpoint("runs/demo/04-quantize/model", "release", dtype="float16")
+    export_checkpoint("runs/demo/04-quantize/model", "release", save_dtype="fp16")
 
-Dense inputs are loaded and re-saved with ``save_pretrained`` (optionally cast to
-``dtype``); quantized (GPTQ) inputs are copied file by file, so their bytes are what the
+Dense inputs are loaded (in ``load_dtype``) and re-saved with ``save_pretrained``
+(optionally cast to ``save_dtype``); quantized (GPTQ) inputs are copied file by file, so their bytes are what the
 quantize stage wrote, or dequantized into a dense model with ``dequantize=True``. Either
 way the weights end up as ``model-XXXXX-of-YYYYY.safetensors`` with a
 ``model.safetensors.index.json`` (also for a single shard), each file's metadata
@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from compress.errors import LayercutError
-from compress.recipe_stages import check_size
+from compress.stages.base import check_size, torch_dtype
 from export.checkpoint import atomic_dir, check_output_dir
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INDEX = "model.safetensors.index.json"
 # Files of a checkpoint that are not weights but travel with it (tokenizer, generation, GPTQ configs).
 # What an export writes itself (from the run), never copied over from the input checkpoint.
@@ -83,20 +83,25 @@ def export_checkpoint(
     out: str | os.PathLike,
     *,
     dequantize: bool = False,
-    dtype: str | None = None,
+    save_dtype: str | None = None,
+    load_dtype: str = "fp32",
     max_shard_size: str = "2GB",
     trust_remote_code: bool = False,
     extra_files: dict[str, str | bytes] | None = None,
     overwrite: bool = False,
 ) -> ExportResult:
-    """Write ``src`` (a checkpoint dir) to ``out`` as a release checkpoint; nothing is left on failure."""
-    src_path = _check_inputs(src, dequantize, dtype, max_shard_size)
+    """Write ``src`` (a checkpoint dir) to ``out`` as a release checkpoint; nothing is left on failure.
+
+    ``save_dtype`` (fp32, fp16, bf16): dtype of written dense weights; ``load_dtype``: the
+    dtype a dense model is loaded in (auto: the checkpoint's own).
+    """
+    src_path = _check_inputs(src, dequantize, save_dtype, max_shard_size)
     check_output_dir(out, overwrite)
     probe_writable(out)
     with atomic_dir(out, overwrite) as tmp:
-        result = write_export_into(src_path, tmp, dequantize=dequantize, dtype=dtype,
-                                   max_shard_size=max_shard_size, trust_remote_code=trust_remote_code,
-                                   extra_files=extra_files)
+        result = write_export_into(src_path, tmp, dequantize=dequantize, save_dtype=save_dtype,
+                                   load_dtype=load_dtype, max_shard_size=max_shard_size,
+                                   trust_remote_code=trust_remote_code, extra_files=extra_files)
     result.path = str(Path(out))
     return result
 
@@ -109,9 +114,9 @@ def _check_inputs(src: str | os.PathLike, dequantize: bool, dtype: str | None, m
     if dequantize and not quantized:
         raise LayercutError(f"--dequantize: {path} is not quantized (no quantization_config in config.json)")
     if dtype is not None and dtype not in DTYPES:
-        raise LayercutError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
+        raise LayercutError(f"unknown save dtype '{dtype}' (choose from {', '.join(DTYPES)})")
     if quantized and dtype is not None and not dequantize:
-        raise LayercutError("--dtype applies to dense weights: a GPTQ checkpoint keeps its packing "
+        raise LayercutError("--save-dtype applies to dense weights: a GPTQ checkpoint keeps its packing "
                             "(add --dequantize for dense weights in that dtype)")
     try:
         check_size(max_shard_size)
@@ -125,7 +130,8 @@ def write_export_into(
     folder: Path,
     *,
     dequantize: bool = False,
-    dtype: str | None = None,
+    save_dtype: str | None = None,
+    load_dtype: str = "fp32",
     max_shard_size: str = "2GB",
     trust_remote_code: bool = False,
     extra_files: dict[str, str | bytes] | None = None,
@@ -137,12 +143,12 @@ def write_export_into(
     else:
         from compress.models import load_model
 
-        model, tokenizer = load_model(src, trust_remote_code=trust_remote_code)
+        model, tokenizer = load_model(src, dtype=torch_dtype(load_dtype, src), trust_remote_code=trust_remote_code)
         if dequantize:
             dequantize_model(model)
-        if dtype is not None:
-            model.to(DTYPES[dtype])
-            model.config.dtype = DTYPES[dtype]
+        if save_dtype is not None:
+            model.to(DTYPES[save_dtype])
+            model.config.dtype = DTYPES[save_dtype]
         model.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(folder)
         # a dense result must not carry a GPTQ config that loaders would act on

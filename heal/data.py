@@ -10,7 +10,8 @@ Usage::
 Windows come from :func:`calibrate.data.calibration_batch` with the run's seed and an
 offset (``HealConfig.offset``: 300,000 tokens into the bundled Brown calibration stream,
 past everything a default calibration draw reads), with BOS prepended like the eval
-protocol does. The evaluation text (``bundled:brown-heldout``) is refused.
+protocol does. The evaluation texts (``bundled:brown-heldout`` and its halves
+``bundled:brown-val`` / ``bundled:brown-test``) are refused.
 """
 
 from __future__ import annotations
@@ -21,18 +22,17 @@ import torch
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from calibrate.data import CalibSet, calibration_batch
+from calibrate.data import EVAL_TEXTS, CalibSet, calibration_batch
 from compress.errors import LayercutError
 from heal.config import HealConfig
 from heal.losses import teacher_topk
 
-HELD_OUT = "bundled:brown-heldout"
-
 
 def heal_data(tokenizer, cfg: HealConfig) -> CalibSet:
     """``cfg.num_samples`` windows of ``cfg.seq_len`` tokens ([BOS] + text when there is a BOS)."""
-    if cfg.data.strip() == HELD_OUT:
-        raise LayercutError(f"{HELD_OUT} is the evaluation text; heal on other data (default bundled:brown-calib)")
+    if cfg.data.strip() in EVAL_TEXTS:
+        raise LayercutError(f"{cfg.data.strip()} is evaluation text ({', '.join(EVAL_TEXTS)}); heal on other data "
+                            "(default bundled:brown-calib)")
     bos = tokenizer.bos_token_id
     body = cfg.seq_len - 1 if bos is not None else cfg.seq_len
     calib = calibration_batch(tokenizer, cfg.data, samples=cfg.num_samples, seq_len=body,

@@ -94,6 +94,9 @@ def test_capture_records_per_layer_kwargs_for_gemma3(calib):
 
 def test_hook_forward_and_gram_accumulator(calib):
     model = build_tiny_model("llama")
+    calib = CalibSet(calib.input_ids.clone(), calib.attention_mask.clone())
+    calib.attention_mask[1, 20:] = 0  # right padding: its tokens must not enter the Gram matrix
+    calib.input_ids[1, 20:] = 0
     grams = {}
 
     def hessians(run):
@@ -102,11 +105,17 @@ def test_hook_forward_and_gram_accumulator(calib):
         grams[run.index] = g
 
     run_blocks(model, calib, [hessians], batch_size=4, progress=False)
-    g = grams[0]
-    assert g.count == int(calib.attention_mask.sum())
-    assert torch.allclose(g.xtx, g.xtx.T)
-    assert torch.linalg.eigvalsh(g.xtx).min() > -1e-6
-    assert g.hessian().dtype == torch.float32
+    # reference: down_proj's inputs in block 3 of one plain model forward, real tokens only
+    seen = []
+    handle = model.model.layers[3].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(i[0]))
+    with torch.no_grad():
+        model(input_ids=calib.input_ids, attention_mask=calib.attention_mask)
+    handle.remove()
+    x = seen[0][calib.attention_mask.bool()].double()  # [tokens, intermediate]
+    g = grams[3]
+    assert g.count == x.shape[0] == int(calib.attention_mask.sum())
+    torch.testing.assert_close(g.xtx, x.T @ x, rtol=1e-4, atol=1e-4 * float(x.square().sum(0).max()))
+    torch.testing.assert_close(g.hessian(), (2.0 / x.shape[0] * x.T @ x).float(), rtol=1e-4, atol=1e-6)
 
 
 def test_stats_mask_and_last_token():

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from calibrate.data import DATA_DIR, calibration_batch, load_texts
+from calibrate import DEFAULT_EVAL_TEXT
+from calibrate.data import DATA_DIR, EVAL_TEXTS, calibration_batch, load_texts
 from compress.errors import LayercutError
 
 
@@ -22,6 +25,56 @@ def test_bundled_brown_split_is_disjoint_and_documented():
     assert len(calib) == 400 and len(held) == 100
     assert "/" not in held[0].split()[0]  # POS tags stripped
     assert not set(calib) & set(held)
+
+
+def test_val_and_test_halve_the_heldout_files():
+    """val / test: disjoint halves of the held-out files, by id and by text, never calibration text."""
+    splits = json.loads((DATA_DIR / "brown.json").read_text())["splits"]
+    ids = {name: splits[name]["file_ids"] for name in ("calib", "heldout", "val", "test")}
+    assert len(ids["val"]) == len(ids["test"]) == 50
+    assert not set(ids["val"]) & set(ids["test"])
+    assert sorted(ids["val"] + ids["test"]) == sorted(ids["heldout"])
+    assert not (set(ids["val"]) | set(ids["test"])) & set(ids["calib"])
+    # each genre (the id's letter) is split evenly: alternation over the sorted held-out ids
+    for genre in {i[:2] for i in ids["heldout"]}:
+        n_val = sum(i.startswith(genre) for i in ids["val"])
+        n_test = sum(i.startswith(genre) for i in ids["test"])
+        assert abs(n_val - n_test) <= 1, genre
+    docs = {name: load_texts(f"bundled:brown-{name}") for name in ids}
+    for name in ids:
+        assert len(docs[name]) == len(ids[name]) == splits[name]["documents"]
+    assert not set(docs["val"]) & set(docs["test"])
+    assert not (set(docs["val"]) | set(docs["test"])) & set(docs["calib"])
+    # the documents follow the file ids: heldout, filtered to val's (test's) ids, is val (test) in order
+    by_id = dict(zip(ids["heldout"], docs["heldout"]))
+    assert [by_id[i] for i in ids["val"]] == docs["val"]
+    assert [by_id[i] for i in ids["test"]] == docs["test"]
+
+
+def test_split_rule_matches_the_bundled_files():
+    """scripts/build_brown.py's split rule, applied to all 500 ids, gives the ids stored in brown.json."""
+    script = Path(__file__).parents[1] / "scripts" / "build_brown.py"
+    spec = importlib.util.spec_from_file_location("build_brown", script)
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    splits = json.loads((DATA_DIR / "brown.json").read_text())["splits"]
+    all_ids = splits["calib"]["file_ids"] + splits["heldout"]["file_ids"]
+    stored = {name: splits[name]["file_ids"] for name in ("calib", "heldout", "val", "test")}
+    assert build.split_ids(all_ids) == stored
+
+
+def test_default_eval_text_is_the_test_split():
+    assert DEFAULT_EVAL_TEXT == "bundled:brown-test"
+    assert set(EVAL_TEXTS) == {"bundled:brown-heldout", "bundled:brown-val", "bundled:brown-test"}
+
+
+@pytest.mark.parametrize("text", ["bundled:brown-heldout", "bundled:brown-val", " bundled:brown-test "])
+def test_heal_data_refuses_every_evaluation_split(tiny_tokenizer, text):
+    from heal.config import HealConfig
+    from heal.data import heal_data
+
+    with pytest.raises(LayercutError, match="evaluation text"):
+        heal_data(tiny_tokenizer, HealConfig(data=text, samples=2, seq_len=16))
 
 
 def test_calibration_batch_is_deterministic(tiny_tokenizer):

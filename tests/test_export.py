@@ -20,7 +20,7 @@ def _logits(model, ids):
 def test_export_dense_float16_with_index_and_card(tiny_model_dir, tmp_path, capsys):
     src = tiny_model_dir("llama")
     out = tmp_path / "release"
-    assert main(["export", str(src), "-o", str(out), "--dtype", "float16", "--max-shard-size", "200KB",
+    assert main(["export", str(src), "-o", str(out), "--save-dtype", "fp16", "--max-shard-size", "200KB",
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     shards = sorted(p.name for p in out.glob("*.safetensors"))
@@ -34,6 +34,9 @@ def test_export_dense_float16_with_index_and_card(tiny_model_dir, tmp_path, caps
 
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.dtype == torch.float16
+    src_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    for name, t in src_model.state_dict().items():  # each tensor is the source's, rounded to fp16
+        assert torch.equal(model.state_dict()[name], t.half()), name
 
 
 def test_single_shard_gets_an_index(tiny_model_dir, tmp_path):
@@ -79,5 +82,5 @@ def test_quantized_export_copies_bytes(quantized, tmp_path):
     for f in quantized.glob("*.safetensors"):
         assert (tmp_path / "copy" / f.name).read_bytes() == f.read_bytes()
     with pytest.raises(Exception, match="keeps its packing"):
-        export_checkpoint(quantized, tmp_path / "bad", dtype="float16")
+        export_checkpoint(quantized, tmp_path / "bad", save_dtype="fp16")
     assert not (tmp_path / "bad").exists()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -214,7 +212,6 @@ def test_hessian_update_streams_and_masks_padding():
     torch.testing.assert_close(Hm, 2.0 / nm * real.T @ real)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("compress.quant.pack") is None, reason="pack.py not written yet")
 @pytest.mark.parametrize("bits, act_order, sym", [(4, False, False), (3, True, False), (2, False, True), (8, True, True)])
 def test_result_packs_to_gptq_v1_and_back(bits, act_order, sym):
     from compress.quant.pack import dequantize_gptq, pack_gptq

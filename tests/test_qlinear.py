@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gptq_codes import random_codes
+from gptq_codes import random_codes, small_int_x
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from compress.errors import LayercutError
+from compress.kernels import ops
 from compress.kernels.ops import ACT_ORDER
 from compress.quant.qlinear import QuantLinear
 
@@ -103,3 +104,21 @@ def test_rejects_bad_config():
     q, z, s, g_idx, _ = gptq_output(4, 64, 8, 32)
     with pytest.raises(LayercutError, match="codes"):
         QuantLinear.from_dense(nn.Linear(32, 8), q, z, s, g_idx, 4, 32)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_forward_runs_the_triton_kernel_under_the_interpreter(monkeypatch, cache: bool):
+    """Under TRITON_INTERPRET=1 the layer goes through the op's Triton kernel (the fp32 cache
+    is bypassed) and, on exact data, gives the dense product plus bias bitwise."""
+    q, z, s, g_idx, w = random_codes(3, 96, 40, 32, act_order=True, zmin=0, pow2_scales=(4, 6))
+    linear = nn.Linear(96, 40, bias=True)
+    with torch.no_grad():
+        linear.bias.copy_(torch.arange(40) / 8)  # exact in fp16
+    ql = QuantLinear.from_dense(linear, q, z, s, g_idx, 3, 32, cache_dequantized=cache)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("LAYERCUT_KERNELS", "triton")
+    ops.reset_kernel_calls()
+    x = small_int_x((3, 96))
+    y = ql(x)
+    assert ops.kernel_calls() == {"triton": 1} and ql._cached_weight is None
+    assert torch.equal(y, (x.double() @ w.double().T + linear.bias.double()).float())

@@ -1,15 +1,19 @@
-"""Recipes: strict validation with useful messages, stage order, round trip, CLI parity."""
+"""Recipes: strict validation with useful messages, stage order, round trip, one definition with the CLI."""
 
 from __future__ import annotations
 
 import argparse
+import typing
 
 import pytest
 import yaml
 
 from compress.errors import LayercutError
 from compress.recipe import STAGE_TYPES, Recipe, check_stage_order, load_recipe
-from compress.recipe_stages import EvalStage, ExportStage, PruneStage, ScoreStage
+from compress.stages.eval import EvalConfig as EvalStage
+from compress.stages.export import ExportConfig as ExportStage
+from compress.stages.prune import PruneConfig as PruneStage
+from compress.stages.score import ScoreConfig as ScoreStage
 
 BASE = {"version": 1, "model": "bundled:smollm2-135m",
         "stages": [{"prune": {"drop": "25%", "select": "block-influence", "replace": "lstsq"}}, "export",
@@ -45,12 +49,16 @@ def test_round_trip_and_python_build(tmp_path):
 
 def test_unknown_key_names_key_and_allowed_keys():
     msg = bad(with_stages({"prune": {"drop": 2, "select": "angular", "replce": "lstsq"}}))
-    assert "stages[0].prune: unknown key 'replce'" in msg
+    assert "stages[0].prune: unknown key 'replce', did you mean 'replace'? (allowed: " in msg
     for key in PruneStage.option_names():
         assert key in msg
     msg = bad({**BASE, "modle": "x"})
-    assert "unknown key 'modle' (allowed: version, model, name, seed, trust_remote_code, stages)" in msg
+    assert "unknown key 'modle', did you mean 'model'? (allowed: version, model, name, seed, trust_remote_code, " \
+        "stages)" in msg
     assert "unknown key 'stage'" in bad(with_stages({"eval": {"stage": "eval"}}))
+    assert "unknown key 'group_szie', did you mean 'group_size'?" in bad(with_stages({"quantize": {"group_szie": 64}}))
+    assert "unknown key 'xyzzy' (allowed:" in bad(with_stages({"export": {"xyzzy": 1}}))  # nothing close: no guess
+    assert "unknown stage 'quantise', did you mean 'quantize'?" in bad(with_stages({"quantise": {"bits": 4}}))
 
 
 def test_wrong_types_are_not_coerced():
@@ -59,6 +67,10 @@ def test_wrong_types_are_not_coerced():
     assert "seed: Input should be a valid integer" in bad({**BASE, "seed": "0"})
     assert "stages[0].export.dequantize: Input should be a valid boolean" in \
         bad(with_stages({"export": {"dequantize": "yes"}}))
+    assert "stages[0].heal.steps must be >= 1 (got 0)" in bad(with_stages({"prune": {"layers": [3]}},
+                                                                        {"heal": {"steps": 0}})).replace("[1]", "[0]")
+    assert "stages[0].quantize.save_dtype: Input should be 'bf16', 'fp16' or 'fp32' (got 'int7')" in \
+        bad(with_stages({"quantize": {"bits": 4, "save_dtype": "int7"}}))
     assert "options must be a mapping" in bad(with_stages({"export": [1, 2]}))
 
 
@@ -99,7 +111,8 @@ def test_order_error_in_recipe_and_other_problems():
     assert "drop must be a count >= 1 or a percentage" in bad(with_stages({"prune": {"drop": "125%"}}))
     assert "max_ppl_increase: expected a number or a percentage" in \
         bad(with_stages({"eval": {"max_ppl_increase": "5x"}}))
-    assert "set reference: true" in bad(with_stages({"eval": {"reference": False, "max_kl": 0.1}}))
+    assert "compare with a reference model" in bad(with_stages({"eval": {"reference": None, "max_kl": 0.1}}))
+    assert "compare with a reference model" in bad(with_stages({"eval": {"reference": False, "max_kl": 0.1}}))
     assert "give exactly one of select METHOD or layers LIST" in bad(with_stages({"prune": {"drop": 2}}))
     assert "stages[1].export: dequantize needs a quantize stage before it" in \
         bad(with_stages({"prune": {"layers": [3]}}, {"export": {"dequantize": True}}))
@@ -118,32 +131,86 @@ def test_load_recipe_file_errors(tmp_path):
         load_recipe(listy)
 
 
-# CLI options that are about files/flags of one invocation, not about the stage's work.
-_CLI_ONLY = {"model", "output", "json", "trust_remote_code", "plot", "overwrite", "no_card",
-             "teacher", "resume", "checkpoint_every", "no_gradient_checkpointing"}
-# Recipe spellings of CLI options: `card` = not --no-card, `gradient_checkpointing` = not
-# --no-gradient-checkpointing, eval's `reference` is a bool (the recipe's source model).
-_RECIPE_ONLY = {"eval": {"reference"}, "export": {"card"}, "heal": {"gradient_checkpointing"}}
+# CLI options that belong to one invocation (files, output format), not to the stage's work.
+_CLI_ONLY = {"model", "output", "json", "trust_remote_code", "plot", "overwrite", "help"}
 
 
 @pytest.mark.parametrize("name", list(STAGE_TYPES))
-def test_stage_options_match_cli(name):
-    """Each stage has the same options as its CLI command (where that command exists)."""
-    from compress.cli import COMMANDS, build_parser
+def test_cli_flags_are_the_config_fields(name):
+    """Each stage command's flags are generated from the same class the recipe validates against:
+    the same names, choices and defaults (shown in the help), and the parsed flags build that class."""
+    from compress.cli import build_parser
+    from compress.stages.flags import _members, cli_default, config_from_args
 
-    if f"compress.commands.{name}" not in COMMANDS:
-        pytest.skip(f"no `layercut {name}` command in this build")
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
-    cli = {a.dest for a in sub._actions if a.dest != "help"} - _CLI_ONLY
-    recipe = set(STAGE_TYPES[name].option_names()) - _RECIPE_ONLY.get(name, set())
-    if name == "eval":
-        cli.discard("reference")  # CLI: a path; recipe: bool (the recipe's source model)
-    assert recipe == cli
-    # ... and the same defaults (seed: the recipe's seed unless given)
-    cli_defaults = {a.dest: a.default for a in sub._actions if a.dest in recipe and a.dest != "seed"}
-    fields = STAGE_TYPES[name].model_fields
-    assert {k: fields[k].get_default(call_default_factory=True) for k in cli_defaults} == cli_defaults
+    actions = {a.dest: a for a in sub._actions}
+    cls = STAGE_TYPES[name]
+    assert set(actions) - _CLI_ONLY == set(cls.option_names())
+    help_text = sub.format_help()
+    for key in cls.option_names():
+        action, field = actions[key], cls.model_fields[key]
+        assert f"--{key.replace('_', '-')}" in action.option_strings
+        assert field.description and action.help.startswith(field.description.split(",")[0].replace("%", "%%"))
+        assert "(default: " in action.help, key  # every flag shows its default
+        members = _members(field.annotation)
+        if action.choices is not None:
+            assert tuple(action.choices) == typing.get_args(members[0])
+    assert "examples:" in help_text and f"layercut {name} " in help_text.split("examples:")[1]
+    # a parsed command line builds the config: flags not given take the config's (or CLI's) defaults
+    model = ["x"] + (["-o", "out"] if any(a.required for a in sub._actions if a.dest == "output") else [])
+    given = {"quantize": {"bits": 4}, "prune": {"layers": "1"}}.get(name, {})
+    args = sub.parse_args(model + [x for k, v in given.items() for x in (f"--{k}", str(v))])
+    config = config_from_args(cls, args)
+    assert {k: getattr(config, k) for k in cls.option_names()} == \
+        {k: given.get(k, cli_default(cls, k)) for k in cls.option_names()}
+
+
+def test_flags_round_trip_every_kind_of_field():
+    """A command line of every field kind gives the config a recipe would: ints, floats, lists, Literals,
+    bools (--x/--no-x), percentages."""
+    from compress.cli import build_parser
+    from compress.stages.flags import config_from_args
+    from compress.stages.quantize import QuantizeConfig
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    args = sub["quantize"].parse_args(["m", "-o", "o", "--avg-bits", "3.5", "--candidates", "3,4", "--no-act-order",
+                                       "--sym", "--unit", "group", "--group-size", "-1", "--save-dtype", "bf16"])
+    cfg = config_from_args(QuantizeConfig, args)
+    assert cfg == QuantizeConfig(avg_bits=3.5, candidates="3,4", act_order=False, sym=True, unit="group",
+                                 group_size=-1, save_dtype="bf16")
+    args = sub["prune"].parse_args(["m", "-o", "o", "--drop", "25%", "--select", "angular"])
+    assert config_from_args(STAGE_TYPES["prune"], args).drop == "25%"
+    args = sub["prune"].parse_args(["m", "-o", "o", "--drop", "3", "--select", "angular"])
+    assert config_from_args(STAGE_TYPES["prune"], args).drop == 3
+    args = sub["eval"].parse_args(["m", "--max-ppl-increase", "0.05", "--reference", "r"])
+    assert config_from_args(STAGE_TYPES["eval"], args).max_ppl_increase == 0.05
+    # eval's reference: the recipe's source model in a recipe, none on the command line
+    assert STAGE_TYPES["eval"]().reference == "source"
+    assert config_from_args(STAGE_TYPES["eval"], sub["eval"].parse_args(["m"])).reference is None
+    with pytest.raises(LayercutError, match=r"^--group-size must be -1 \(one group per row\) or positive"):
+        config_from_args(QuantizeConfig, sub["quantize"].parse_args(["m", "-o", "o", "--bits", "4",
+                                                                     "--group-size", "0"]))
+    with pytest.raises(LayercutError, match=r"^--sensitivity-samples must be >= 1 \(got 0\)"):
+        config_from_args(QuantizeConfig, sub["quantize"].parse_args(["m", "-o", "o", "--bits", "4",
+                                                                     "--sensitivity-samples", "0"]))
+
+
+def test_recipe_seed_reaches_the_stages():
+    recipe = Recipe.from_dict({**BASE, "seed": 7, "stages": [{"prune": {"layers": [3]}}, "heal",
+                                                             {"quantize": {"bits": 4, "seed": 3}}]})
+    assert [getattr(s, "seed", None) for s in recipe.stages] == [None, 7, 3]
+    built = Recipe(model="m", seed=5, stages=[PruneStage(layers=[3]), STAGE_TYPES["heal"]()])
+    assert built.stages[1].seed == 5
+    assert Recipe.from_dict(yaml.safe_load(built.to_yaml())) == built
+
+
+def test_old_spellings_still_load():
+    """``batch`` (heal, now batch_size) and eval's ``reference: true/false`` from older recipes."""
+    recipe = Recipe.from_dict(with_stages({"prune": {"layers": [3]}}, {"heal": {"batch": 2}},
+                                          {"eval": {"reference": False}}, {"eval": {"reference": True}}))
+    assert recipe.stages[1].batch_size == 2
+    assert recipe.stages[2].reference is None and recipe.stages[3].reference == "source"
 
 
 def test_score_stage_methods():
@@ -153,12 +220,18 @@ def test_score_stage_methods():
 
 
 def test_quantize_stage_checks():
-    from compress.recipe_stages import QuantizeStage
+    from compress.quant.gptq import SUPPORTED_BITS
+    from compress.quant.sensitivity import METHODS
+    from compress.stages.quantize import SUPPORTED_BITS as STAGE_BITS
+    from compress.stages.quantize import QuantizeConfig as QuantizeStage
+
+    assert STAGE_BITS == SUPPORTED_BITS  # the torch-free copy the config checks against
+    assert set(QuantizeStage.model_fields["sensitivity"].annotation.__args__) == set(METHODS)
 
     assert QuantizeStage(avg_bits=4.5, candidates="3,4,8").candidate_list() == [3, 4, 8]
     for kwargs, needle in [({}, "exactly one of bits"), ({"bits": 4, "avg_bits": 4.0}, "exactly one of bits"),
                            ({"bits": 5}, "bits must be one of"), ({"avg_bits": 4.0, "candidates": [3, 7]}, "candidates"),
-                           ({"bits": 4, "sensitivity": "vibes"}, "unknown sensitivity"),
+                           ({"bits": 4, "sensitivity": "vibes"}, "Input should be 'loss', 'output'"),
                            ({"bits": 4, "group_size": 0}, "group_size")]:
         with pytest.raises(ValueError, match=needle):
             QuantizeStage(**kwargs)
@@ -175,3 +248,31 @@ def test_bundled_recipes_validate():
     demo = load_recipe(recipes[0].with_name("smollm2-demo.yaml"))
     assert [s.stage for s in demo.stages] == ["prune", "heal", "quantize", "export", "eval"]
     assert demo.model == "bundled:smollm2-135m" and demo.stages[0].replace == "lstsq"
+
+
+def test_flag_generation_from_a_new_config():
+    """Adding an option is one field: its flag, choices, help, default and short alias follow."""
+    from typing import Literal
+
+    from pydantic import Field
+
+    from compress.stages.base import StageConfig
+    from compress.stages.flags import add_config_args, config_from_args
+
+    class NewConfig(StageConfig):
+        stage: Literal["new"] = "new"
+        group_size: int = Field(64, ge=1, description="columns per group", json_schema_extra={"short": "-g"})
+        mode: Literal["fast", "exact"] = Field("fast", description="how to solve")
+        keep: bool = Field(True, description="keep the input")
+        limit: str | float | None = Field(None, description="a number or a percentage")
+
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, NewConfig)
+    text = " ".join(parser.format_help().split())
+    assert "-g N, --group-size N columns per group (default: 64)" in text
+    assert "--mode {fast,exact} how to solve (default: fast)" in text and "--keep, --no-keep" in text
+    assert config_from_args(NewConfig, parser.parse_args(["-g", "32", "--no-keep", "--limit", "5%"])) == \
+        NewConfig(group_size=32, keep=False, limit="5%")
+    assert config_from_args(NewConfig, parser.parse_args(["--limit", "0.5"])).limit == 0.5
+    with pytest.raises(LayercutError, match=r"^--group-size must be >= 1 \(got 0\)$"):
+        config_from_args(NewConfig, parser.parse_args(["--group-size", "0"]))

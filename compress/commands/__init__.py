@@ -1,3 +1,3 @@
-"""CLI subcommands. Each module defines ``register(subparsers)``; its handler returns a
-JSON-able dict (printed as the last stdout line with ``--json``). Handlers are thin:
-parse -> validate -> one public function a user could call from Python."""
+"""CLI subcommands. ``stage`` generates one command per stage from its config class; ``run``
+and ``push`` are written by hand. Each ``register(subparsers)`` sets a handler returning a
+JSON-able dict (printed as the last stdout line with ``--json``)."""

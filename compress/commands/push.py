@@ -14,22 +14,31 @@ from __future__ import annotations
 import argparse
 import sys
 
-from export.push import push
+EXAMPLES = (
+    "layercut push runs/demo --repo-id my-org/smollm2-demo --dry-run",
+    "HF_TOKEN=... layercut push release --repo-id my-org/smollm2-demo --private",
+)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("push", help="upload an exported checkpoint to the Hugging Face Hub")
+def register(sub: argparse._SubParsersAction, **parser_kw) -> None:
+    p = sub.add_parser("push", help="upload an exported checkpoint to the Hugging Face Hub",
+                       description="Upload an exported checkpoint to the Hugging Face Hub.", **parser_kw,
+                       epilog="examples:\n  " + "\n  ".join(EXAMPLES))
     p.add_argument("folder", help="exported checkpoint directory, or a layercut run directory")
-    p.add_argument("--repo-id", required=True, help="ORG/NAME on the Hub")
-    p.add_argument("--private", action="store_true", help="create the repo private")
-    p.add_argument("--revision", help="branch to push to (created if missing; default: main)")
-    p.add_argument("--commit-message", default="Upload compressed model (layercut)")
-    p.add_argument("--dry-run", action="store_true", help="list exactly what would be uploaded; upload nothing")
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    p.add_argument("--repo-id", required=True, help="ORG/NAME on the Hub (required)")
+    p.add_argument("--private", action="store_true", help="create the repo private (default: off)")
+    p.add_argument("--revision", help="branch to push to, created if missing (default: main)")
+    p.add_argument("--commit-message", default="Upload compressed model (layercut)",
+                   help="commit message (default: %(default)s)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list exactly what would be uploaded; upload nothing (default: off)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line (default: off)")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> dict:
+    from export.push import push
+
     plan = push(args.folder, args.repo_id, private=args.private, revision=args.revision,
                 dry_run=args.dry_run, commit_message=args.commit_message)
     if not args.json:

@@ -5,6 +5,9 @@ Usage::
     from compress.depth.prune import prune
     report = prune("bundled:smollm2-135m", "out/cut8", drop=8, select="block-influence", replace="lstsq")
 
+The stage itself (config, validation, report) is :mod:`compress.stages.prune`; this
+module holds the checks and the transform core it calls.
+
     layercut prune bundled:smollm2-135m -o out/cut8 --drop 8 --select block-influence --replace lstsq
     layercut prune MODEL -o OUT --layers 12-17,25,26                       # explicit blocks
     layercut prune MODEL -o OUT --drop 8 --what attention --select gate-norm
@@ -17,8 +20,6 @@ scores), the transform and its per-span fit statistics.
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def exclude_first_block(scores):
     return out
 
 
-def choose_layers(model, model_dir: Path, what: str, drop: int, select: str, calib, batch_size: int,
+def choose_layers(model, model_dir: Path | None, what: str, drop: int, select: str, calib, batch_size: int,
                   progress: bool, keep_first: bool = False) -> tuple[list[int], dict | None]:
     """Run the selection API; returns (layers, scores as a dict).
 
@@ -133,11 +134,12 @@ def choose_layers(model, model_dir: Path, what: str, drop: int, select: str, cal
     """
     from compress.select import compute_scores, select_blocks, select_sublayers
 
-    if select == "gate-norm":
-        from compress.select import gate_norm_scores
+    if select == "gate-norm":  # from the files when there are files, else from the weights in memory
+        from compress.select import gate_norm_from_model, gate_norm_scores
 
-        scores = gate_norm_scores(model_dir)
-        return select_sublayers(model_dir, drop, "gate-norm", "attention"), {"gate_norm": scores}
+        scores = gate_norm_scores(model_dir) if model_dir is not None else gate_norm_from_model(model)
+        source = model_dir if model_dir is not None else model
+        return select_sublayers(source, drop, "gate-norm", "attention"), {"gate_norm": scores}
     methods = [select if select != "cosine" else ("attn-cosine" if what == "attention" else "mlp-cosine")]
     span = drop if select.startswith("angular") else 1
     scores = compute_scores(model, calib, span=span, methods=methods, batch_size=batch_size, progress=progress)
@@ -178,75 +180,21 @@ def prune_model(model: nn.Module, layers: list[int], what: str = "block", replac
     return drop_blocks(model, layers), {}
 
 
-def prune(
-    model_spec: str,
-    output: str | Path,
-    drop: int | None = None,
-    select: str | None = None,
-    layers: str | Sequence[int] | None = None,
-    what: str = "block",
-    replace: str = "none",
-    fuse: bool = False,
-    fuse_calibrate: bool = False,
-    calib: str = "bundled:brown-calib",
-    samples: int = 64,
-    seq_len: int = 512,
-    batch_size: int = 8,
-    stream: str = "sequential",
-    alpha: float = 1e-4,
-    overwrite: bool = False,
-    progress: bool = True,
-) -> dict:
-    """Load ``model_spec``, remove ``drop`` layers, write a checkpoint to ``output``; return a report."""
-    from calibrate.data import calibration_batch
-    from compress.depth.sublayers import sublayer_readme
-    from compress.models import load_model, resolve_model
-    from export.checkpoint import atomic_dir, check_output_dir, write_checkpoint_into
+def prune(model_spec: str, output: str | Path, *, overwrite: bool = False, progress: bool = True,
+          **options) -> dict:
+    """Load ``model_spec``, prune it, write a checkpoint to ``output``; return a report.
 
-    picked = parse_layers(layers)
-    check_request(what, drop, select, picked, replace, fuse, fuse_calibrate)
-    if stream not in ("original", "sequential"):
-        raise LayercutError(f"unknown --stream '{stream}' (choose from original, sequential)")
-    check_output_dir(output, overwrite)
-    model_dir = resolve_model(model_spec)
-    model, tokenizer = load_model(model_dir)
-    count = drop if drop is not None else len(picked)
-    num_layers = check_against_model(model, what, count, picked, replace)
-    params_before = _params(model)
-    start = time.perf_counter()
-    needs_data = replace != "none" or (fuse and fuse_calibrate) or (select not in (None, "gate-norm"))
-    calib_set = calibration_batch(tokenizer, calib, samples=samples, seq_len=seq_len) if needs_data else None
-    scores = None
-    if select is not None:
-        picked, scores = choose_layers(model, model_dir, what, count, select, calib_set, batch_size, progress,
-                                       keep_first=replace != "none")
-        check_against_model(model, what, count, picked, replace)
-    extra = {"stream": stream, "alpha": alpha} if replace != "none" else {}
-    fit_data = calib_set if (replace != "none" or fuse_calibrate) else None
-    model, details = prune_model(model, picked, what, replace, fuse, fit_data, batch_size, progress, **extra)
-    seconds = time.perf_counter() - start
-    report = {
-        "version": PRUNE_VERSION,
-        "source": str(model_spec),
-        "output": str(output),
-        "what": what,
-        "layers": picked,
-        "select": select or "explicit",
-        "transform": transform_name(replace, fuse, fuse_calibrate),
-        "num_layers_before": num_layers,
-        "num_layers_after": int(model.config.num_hidden_layers),
-        "params_before": params_before,
-        "params_after": _params(model),
-        "seconds": round(seconds, 3),
-        "calibration": {"source": calib, "samples": samples, "seq_len": seq_len} if calib_set is not None else None,
-        **details,
-        **extra,
-        "scores": scores,
-    }
-    files = {"layercut_prune.json": json.dumps(report, indent=2, default=str)}
-    if what != "block":
-        files["README.md"] = sublayer_readme(model.config, str(model_spec))
-    with atomic_dir(output, overwrite) as tmp:
-        write_checkpoint_into(model, tokenizer, tmp, extra_files=files)
-    return {k: v for k, v in report.items() if k != "scores"}
+    ``options`` are :class:`compress.stages.prune.PruneConfig`'s (``drop``, ``select``,
+    ``layers``, ``replace``, ...); this is :func:`compress.stages.prune.run` with keywords.
+    """
+    from pydantic import ValidationError
 
+    from compress.stages.base import RunEnv
+    from compress.stages.flags import format_error
+    from compress.stages.prune import PruneConfig, run
+
+    try:
+        config = PruneConfig(**options)
+    except ValidationError as exc:
+        raise LayercutError(format_error(exc)) from None
+    return run(config, model_spec, output, RunEnv(overwrite=overwrite, progress=progress))

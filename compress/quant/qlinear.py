@@ -4,7 +4,8 @@ Usage::
 
     from compress.quant.qlinear import QuantLinear
     ql = QuantLinear.from_dense(linear, q, zeros, scales, g_idx, bits=4, group_size=128)
-    y = ql(x)                        # torch.ops.layercut.gptq_matmul: CUDA kernel on GPU, reference on CPU
+    y = ql(x)                        # torch.ops.layercut.gptq_matmul (kernel chosen per call, see
+                                     # compress.kernels.ops: CUDA C / Triton on GPU, reference on CPU)
     ql.state_dict().keys()           # qweight, qzeros, scales, g_idx[, bias] -- GPTQ safetensors names
 
 An empty layer (``QuantLinear(in_features, out_features, bits, group_size, bias=...)``) has
@@ -17,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-import compress.kernels.ops  # noqa: F401  (registers torch.ops.layercut.gptq_matmul)
 from compress.errors import LayercutError
+from compress.kernels import ops  # registers torch.ops.layercut.gptq_matmul
 from compress.kernels.ops import ACT_ORDER
 from compress.quant.pack import SUPPORTED_BITS, dequantize_gptq, pack_gptq, packed_rows
 
@@ -29,7 +30,9 @@ class QuantLinear(nn.Module):
     Buffers: qweight [in*bits/32, out] int32, qzeros [groups, out*bits/32] int32 (zero-1),
     scales [groups, out] fp16, g_idx [in] int32, bias [out] fp16 (optional).
     ``cache_dequantized=True`` keeps the fp32 weight after the first CPU forward (faster on
-    CPU at 4-8x the memory); GPU forwards always run the packed kernels.
+    CPU at 4-8x the memory); GPU forwards always run the packed kernels, and so do CPU
+    forwards under ``TRITON_INTERPRET=1`` or a forced ``LAYERCUT_KERNELS=triton|cuda`` (the op
+    then runs, or refuses, the kernel asked for).
     """
 
     def __init__(
@@ -138,7 +141,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x [..., in] -> y [..., out] in x's dtype (fp32 accumulation)."""
-        if self.cache_dequantized and x.device.type == "cpu":
+        cpu_reference = ops.kernel_mode() in ("auto", "reference") and not ops.triton_interpret()
+        if self.cache_dequantized and x.device.type == "cpu" and cpu_reference:
             y = (x.to(torch.float32) @ self._dequantized_cached().T).to(x.dtype)
         else:
             y = torch.ops.layercut.gptq_matmul(

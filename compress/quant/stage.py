@@ -7,7 +7,7 @@ Run it::
     result = quantize_model(model, calib, cfg, bits={"model.layers.3.mlp.down_proj": 8})
     result.layers["model.layers.0.self_attn.q_proj"].tensors    # packed GPTQ v1 tensors
 
-or ``layercut quantize MODEL -o OUT --bits 4`` (see compress/commands/quantize.py).
+or ``layercut quantize MODEL -o OUT --bits 4`` (the stage: compress/stages/quantize.py).
 
 Each decoder block's turn in :func:`calibrate.capture.run_blocks`: hooks on the first
 linear of each fused group ({q,k,v}, o, {gate,up}, down — they share an input) fold
@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -88,6 +88,7 @@ class QuantizedLinear:
     tensors: dict[str, Tensor]  # qweight, qzeros, scales (fp16), g_idx (see compress.quant.pack)
     loss: float  # ½ tr(ΔW H ΔWᵀ), the layer's output error on calibration inputs (NaN for RTN)
     damp_used: float
+    stored_bits: int = 0  # bits of qweight, qzeros and scales (kept when a streamed run frees the tensors)
 
 
 @dataclass
@@ -106,11 +107,7 @@ class QuantizeResult:
     def avg_bits(self) -> float:
         """Stored bits per quantized weight, scales (fp16) and packed zeros included."""
         total = sum(q.in_features * q.out_features for q in self.layers.values())
-        stored = sum(
-            (t.numel() * t.element_size() * 8) for q in self.layers.values()
-            for k, t in q.tensors.items() if k != "g_idx"
-        )
-        return stored / total
+        return sum(q.stored_bits for q in self.layers.values()) / total
 
 
 # ----------------------------------------------------------------------- targets
@@ -183,9 +180,14 @@ def check_model(
                 f"quantize: group size {cfg.group_size} does not divide in_features={in_f} of {name}; "
                 f"use a divisor of every layer's input size or -1"
             )
-        if not torch.isfinite(module.weight.sum(dtype=torch.float64)):  # one reduction: NaN/Inf propagate
-            raise LayercutError(f"quantize: {name} has NaN or Inf weights")
+        if not module.weight.is_meta:  # a streamed model's blocks are checked at their turn
+            check_finite(module.weight, name)
     return targets
+
+
+def check_finite(weight: Tensor, name: str) -> None:
+    if not torch.isfinite(weight.sum(dtype=torch.float64)):  # one reduction: NaN/Inf propagate
+        raise LayercutError(f"quantize: {name} has NaN or Inf weights")
 
 
 # ------------------------------------------------------------------------ solving
@@ -253,7 +255,9 @@ def _solve(W: Tensor, H: Tensor | None, bits: int, cfg: QuantConfig) -> QuantRes
 def _record(name: str, res: QuantResult, W: Tensor) -> QuantizedLinear:
     with solver_threads(torch.device("cpu")):
         packed = pack_gptq(res.q.cpu(), res.zeros.cpu(), res.scales.cpu(), res.g_idx.cpu(), res.bits)
-    return QuantizedLinear(name, res.bits, res.group_size, W.shape[1], W.shape[0], packed, res.loss, res.damp_used)
+    stored = sum(t.numel() * t.element_size() * 8 for k, t in packed.items() if k != "g_idx")
+    return QuantizedLinear(name, res.bits, res.group_size, W.shape[1], W.shape[0], packed, res.loss, res.damp_used,
+                           stored)
 
 
 class HessianSet:
@@ -308,6 +312,7 @@ def quantize_model(
     batch_size: int = 8,
     device: str | torch.device | None = None,
     progress: bool = True,
+    after_block: Callable[[BlockRun, QuantizeResult], None] | None = None,
 ) -> QuantizeResult:
     """Quantize every target linear of ``model`` in place (weights ← dequantized GPTQ weights).
 
@@ -315,7 +320,9 @@ def quantize_model(
     the rest get ``cfg.bits``. ``calib`` [N, L] tokens drive the Hessians (not needed for
     RTN). ``device``: where each block runs and is solved (e.g. ``"cuda"``; default: the
     model's device). Returns the packed tensors of each linear for
-    :func:`compress.quant.checkpoint.save_quantized`.
+    :func:`compress.quant.checkpoint.save_quantized`. ``after_block(run)`` is called once
+    each block is quantized (GPTQ only): a streamed run writes the block there and frees
+    its packed tensors from ``result``.
     """
     targets = check_model(model, cfg, bits)
     bits = dict(bits or {})
@@ -352,6 +359,8 @@ def quantize_model(
                 items = [(name, module) for gg, name, module in by_block[run.index] if gg == g]
                 H = hs.get(g, ", ".join(name for name, _ in items))
                 Ws = [linear_weight(module, spec.conv1d).detach() for _, module in items]
+                for (name, _), W in zip(items, Ws):
+                    check_finite(W, name)
                 t0 = time.perf_counter()
                 parts = solve_group(Ws, H.to(Ws[0].device), bits.get(items[0][0], cfg.bits), cfg)
                 result.solve_seconds += time.perf_counter() - t0
@@ -361,7 +370,8 @@ def quantize_model(
                 result.tokens = hs.n[g]
         run.invalidate()  # the next block sees this block's quantized outputs
 
-    run_blocks(model, calib, [on_block], batch_size=batch_size, device=device, progress=progress, desc="gptq")
+    callbacks = [on_block] + ([lambda run: after_block(run, result)] if after_block is not None else [])
+    run_blocks(model, calib, callbacks, batch_size=batch_size, device=device, progress=progress, desc="gptq")
     result.seconds = time.perf_counter() - start
     return result
 

@@ -1,0 +1,224 @@
+"""Peak RSS of the streamed stages against model size: SmolLM2-135M and random Llama-3-shaped 1B / 3B.
+
+Run::
+
+    python benchmarks/memory.py                       # every model x stage, writes results/memory.json
+    python benchmarks/memory.py --models smollm2-135m --stages eval-streamed,eval-in-memory
+    python benchmarks/memory.py --from-json           # print the table from the stored JSON
+
+Models, all stored in bf16:
+- ``smollm2-135m``: the bundled model, converted from its GGUF to bf16;
+- ``llama3-1b``, ``llama3-3b``: Llama-3.2-1B / 3B shapes (128,256-token vocabulary, tied
+  embeddings) with random weights, written one tensor at a time by
+  :class:`export.shards.ShardWriter` under ``$LAYERCUT_CACHE/bench-models``. Random
+  weights are valid for memory and time, not for quality. They use SmolLM2's tokenizer
+  (its ids are a subset of the vocabulary).
+
+Each (model, stage) runs in its own subprocess with one torch thread; its peak RSS is the
+child's ``ru_maxrss`` (the whole process: Python, torch and transformers included, about
+0.4 GiB before any weight). The target for every size is
+``peak <= 0.5 x bf16 checkpoint bytes + 1 GiB``.
+
+Stages measured, each through its stage's ``run`` (what ``layercut <stage>`` calls);
+heal and export do not stream yet and are listed as such in the README:
+- ``eval-streamed``: perplexity and exact KL to a reference (the same checkpoint), one
+  block in memory at a time (the default; :mod:`compress.stream_eval`);
+- ``eval-in-memory``: ``--whole-model``, the whole model in float32 (SmolLM2 only);
+- ``score``: angular + block-influence scores, streamed;
+- ``prune-drop``: remove blocks 1 and 2, checkpoint to checkpoint tensor by tensor
+  (2 GB output shards, so up to 2 GB of output is buffered);
+- ``prune-lstsq``: the same with a least-squares map fitted over the streamed driver;
+- ``quantize``: GPTQ 4-bit g128 (g64 on SmolLM2, whose 576 inputs 128 does not divide), each
+  block quantized, written and freed at its turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = {
+    "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=64),
+    "llama3-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                      num_key_value_heads=8, head_dim=128),
+}
+MODELS = ["smollm2-135m", "llama3-1b", "llama3-3b"]
+STAGES = ["eval-streamed", "eval-in-memory", "score", "prune-drop", "prune-lstsq", "quantize"]
+
+
+def model_dir(name: str) -> Path:
+    import torch
+
+    from compress.models import cache_dir, load_tokenizer, resolve_model
+
+    if name == "smollm2-135m":
+        return resolve_model("bundled:smollm2-135m", convert_dtype=torch.bfloat16)
+    folder = cache_dir() / "bench-models" / f"{name}-random-bf16"
+    if (folder / "config.json").is_file():
+        return folder
+    write_random_llama(folder, SHAPES[name], load_tokenizer("bundled:smollm2-135m"))
+    return folder
+
+
+def write_random_llama(folder: Path, shape: dict, tokenizer) -> None:
+    """A Llama-3-shaped bf16 checkpoint with random weights, one tensor at a time (never a model)."""
+    import shutil
+    import tempfile
+
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from export.shards import ShardWriter
+
+    config = LlamaConfig(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, dtype="bfloat16", **shape)
+    with init_empty_weights():
+        skeleton = LlamaForCausalLM(config)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
+    gen = torch.Generator().manual_seed(0)
+    with ShardWriter(tmp, "2GB") as writer:
+        for name, param in skeleton.named_parameters():
+            if name == "lm_head.weight":
+                continue  # tied to the embedding
+            if "norm" in name:
+                tensor = torch.ones(param.shape, dtype=torch.bfloat16)
+            else:
+                tensor = (torch.randn(param.shape, generator=gen) * 0.02).to(torch.bfloat16)
+            writer.add(name, tensor)
+            del tensor
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if folder.exists():  # written meanwhile by another run
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, folder)
+
+
+def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -> dict:
+    import torch
+
+    from compress.models import weight_bytes
+    from compress.stages.base import RunEnv
+
+    torch.set_num_threads(1)
+    path = model_dir(name)
+    out = {"model": name, "stage": stage, "bf16_bytes": weight_bytes(path)}
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    if stage in ("eval-streamed", "eval-in-memory"):
+        from compress.stages.eval import EvalConfig
+        from compress.stages.eval import run as run_eval
+
+        cfg = EvalConfig(max_tokens=eval_tokens, reference=str(path), whole_model=stage == "eval-in-memory")
+        res = run_eval(cfg, str(path), env=RunEnv(progress=False))["model"]
+        out.update(ppl=res["ppl"], kl=res["kl"], tokens=res["tokens"])
+    elif stage == "score":
+        from compress.stages.score import ScoreConfig
+        from compress.stages.score import run as run_score
+
+        cfg = ScoreConfig(method="angular,block-influence", drop=2, samples=samples, seq_len=seq_len)
+        run_score(cfg, str(path), env=RunEnv(progress=False))
+        out.update(tokens=samples * seq_len)
+    elif stage in ("prune-drop", "prune-lstsq"):
+        import tempfile
+
+        from compress.stages.prune import PruneConfig
+        from compress.stages.prune import run as run_prune
+
+        lstsq = dict(replace="lstsq", samples=samples, seq_len=seq_len) if stage == "prune-lstsq" else {}
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            report = run_prune(PruneConfig(layers=[1, 2], **lstsq), str(path), Path(tmp) / "out",
+                               env=RunEnv(progress=False))
+        out.update(layers_after=report["num_layers_after"], tokens=samples * seq_len if lstsq else "")
+    elif stage == "quantize":
+        import tempfile
+
+        from compress.stages.quantize import QuantizeConfig
+        from compress.stages.quantize import run as run_quantize
+
+        group = 64 if name == "smollm2-135m" else 128  # SmolLM2's 576 inputs are not a multiple of 128
+        cfg = QuantizeConfig(bits=4, group_size=group, samples=samples, seq_len=seq_len, batch_size=4)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            report = run_quantize(cfg, str(path), Path(tmp) / "out", env=RunEnv(progress=False))
+        out.update(avg_bits=report["avg_bits"], group_size=group, tokens=samples * seq_len)
+    else:
+        raise SystemExit(f"unknown stage {stage}")
+    out["seconds"] = time.perf_counter() - start
+    out["rss_before_stage_mb"] = base_rss / 1024
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | stage | bf16 checkpoint GiB | peak RSS GiB | target GiB | within | s | tokens |",
+             "|---|---|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        gib = r["bf16_bytes"] / 2**30
+        target = 0.5 * gib + 1.0
+        peak = r["peak_rss_mb"] / 1024
+        lines.append(f"| {r['model']} | {r['stage']} | {gib:.2f} | {peak:.2f} | {target:.2f} | "
+                     f"{'yes' if peak <= target else 'NO'} | {r['seconds']:.0f} | {r.get('tokens', '')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--stages", default=",".join(STAGES))
+    ap.add_argument("--eval-tokens", type=int, default=1024, help="evaluation tokens (ctx 512)")
+    ap.add_argument("--samples", type=int, default=4, help="score: calibration sequences")
+    ap.add_argument("--seq-len", type=int, default=256, help="score: calibration sequence length")
+    ap.add_argument("--json-out", default=str(RESULTS / "memory.json"))
+    ap.add_argument("--from-json", action="store_true", help="print the stored table only")
+    ap.add_argument("--child", nargs=2, metavar=("MODEL", "STAGE"), help=argparse.SUPPRESS)
+    ap.add_argument("--prepare", metavar="MODEL", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.prepare:  # conversion / random-checkpoint writing stays out of the stage's own peak
+        print(model_dir(args.prepare))
+        return
+    if args.child:
+        print(json.dumps(child(*args.child, args.eval_tokens, args.samples, args.seq_len)))
+        return
+    out_path = Path(args.json_out)
+    if args.from_json:
+        print(table(json.loads(out_path.read_text())["rows"]))
+        return
+    previous = json.loads(out_path.read_text()) if out_path.is_file() else {"rows": []}
+    rows = {(r["model"], r["stage"]): r for r in previous["rows"]}
+    for name in args.models.split(","):
+        subprocess.run([sys.executable, __file__, "--prepare", name], check=True, capture_output=True)
+        for stage in args.stages.split(","):
+            if stage == "eval-in-memory" and name != "smollm2-135m":
+                continue  # the whole-model path: measured on the small model only
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            proc = subprocess.run([sys.executable, __file__, "--child", name, stage,
+                                   "--eval-tokens", str(args.eval_tokens), "--samples", str(args.samples),
+                                   "--seq-len", str(args.seq_len)], capture_output=True, text=True, env=env)
+            if proc.returncode != 0:
+                print(proc.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"{name} {stage} failed")
+            rows[(name, stage)] = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(table([rows[(name, stage)]]).splitlines()[-1], flush=True)
+            result = {"machine": platform.machine(), "cpus": os.cpu_count(), "eval_tokens": args.eval_tokens,
+                      "score_tokens": f"{args.samples} x {args.seq_len}",
+                      "rows": sorted(rows.values(), key=lambda r: (MODELS.index(r["model"]), r["stage"]))}
+            tmp = out_path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(result, indent=2) + "\n")
+            os.replace(tmp, out_path)
+    print(table(json.loads(out_path.read_text())["rows"]))
+
+
+if __name__ == "__main__":
+    main()

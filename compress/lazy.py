@@ -1,0 +1,268 @@
+"""A causal LM whose weights stay in safetensors until a step needs them.
+
+Usage::
+
+    from compress.lazy import LazyModel
+    lazy = LazyModel("ckpt-dir")              # skeleton only: parameters on the meta device
+    lazy.materialize("model.embed_tokens")    # one submodule's tensors, read from the shards
+    block = lazy.block(3)                     # decoder block 3, materialized in lazy.compute_dtype
+    lazy.release(lazy.block_path(3))          # back to meta: its memory is freed
+
+The capture driver (:func:`calibrate.capture.run_blocks`) recognises such a model and
+materializes each decoder block for its turn, then releases it, so a data-driven stage
+holds one block at a time (plus the embeddings for input capture, and the final norm and
+head where a loss is computed).
+
+Dtypes: ``storage_dtype`` is the checkpoint's own (``auto``) unless given; blocks are
+materialized in ``compute_dtype`` (float32 on CPU: a bf16 block is upcast for its turn).
+The input embedding stays in the storage dtype and its output is upcast by a hook, so the
+rotary tables, which the model computes in the stream's dtype, are float32 as they are when
+the whole model is loaded in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from compress.arch import arch_for, get_submodule
+from compress.errors import LayercutError
+
+DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """``auto``/``bf16``/``fp16``/``fp32`` (or a torch dtype) -> torch dtype; ``auto`` -> None."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise LayercutError(f"unknown dtype '{name}' (choose from auto, bf16, fp16, fp32)")
+    return DTYPES[name]
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+class TensorIndex:
+    """Which shard holds each tensor of a safetensors checkpoint; reads one tensor at a time."""
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        from compress.models import _check_weights
+
+        self.folder = Path(folder)
+        _check_weights(self.folder)  # missing shards, unknown tensors, truncation: one clear error
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            self.where = dict(json.loads(index.read_text())["weight_map"])
+        else:
+            from safetensors import safe_open
+
+            self.where = {}
+            for file in sorted(self.folder.glob("*.safetensors")):
+                with safe_open(str(file), framework="pt") as fh:
+                    self.where.update({k: file.name for k in fh.keys()})
+        self._headers: dict[str, tuple[int, dict]] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def _header(self, shard: str) -> tuple[int, dict]:
+        if shard not in self._headers:
+            with open(self.folder / shard, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                self._headers[shard] = (8 + size, json.loads(fh.read(size)))
+        return self._headers[shard]
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor, read with ``pread`` into its own buffer.
+
+        Not through a memory map: pages of a mapped shard count towards the process's
+        resident set as they are touched, so reading a whole checkpoint through mmap shows
+        up as its whole size in RSS even though only one block is alive.
+        """
+        if name not in self.where:
+            raise LayercutError(f"{self.folder}: no tensor named {name} in the checkpoint")
+        shard = self.where[name]
+        base, header = self._header(shard)
+        if name not in header:
+            raise LayercutError(f"{self.folder / shard}: no tensor named {name}")
+        info = header[name]
+        start, end = info["data_offsets"]
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise LayercutError(f"{self.folder / shard}: tensor {name} has unsupported dtype {info['dtype']}")
+        buf = bytearray(end - start)
+        with open(self.folder / shard, "rb") as fh:
+            got = fh.readinto(memoryview(buf)) if fh.seek(base + start) >= 0 else 0
+        if got != end - start:
+            raise LayercutError(f"{self.folder / shard}: truncated (tensor {name} is cut short)")
+        if not buf:
+            return torch.empty(info["shape"], dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
+
+    def dtype(self) -> torch.dtype:
+        """The dtype of the checkpoint's floating tensors (its first one)."""
+        for name in self.where:
+            tensor = self.get(name)
+            if tensor.is_floating_point():
+                return tensor.dtype
+        return torch.float32
+
+
+class LazyModel:
+    """Skeleton on the meta device + a tensor index; see the module docstring."""
+
+    def __init__(self, path: str | os.PathLike, storage_dtype: torch.dtype | str | None = None,
+                 compute_dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> None:
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.path = Path(path)
+        self.weights = TensorIndex(self.path)
+        self.config = AutoConfig.from_pretrained(self.path, trust_remote_code=trust_remote_code)
+        if getattr(self.config, "quantization_config", None) is not None:
+            raise LayercutError(f"{self.path}: a quantized checkpoint cannot be streamed block by block yet")
+        self.storage_dtype = parse_dtype(storage_dtype) or self.weights.dtype()
+        self.compute_dtype = compute_dtype
+        with init_empty_weights(include_buffers=False):  # buffers (rotary tables) stay real
+            model = AutoModelForCausalLM.from_config(self.config, dtype=self.storage_dtype,
+                                                     trust_remote_code=trust_remote_code)
+        self.model = model.eval()
+        self.model._layercut_lazy = self  # lets run_blocks find the loader
+        self.spec = arch_for(self.model)
+        self.num_blocks = len(self.spec.layers_of(self.model))
+        self.names = self._checkpoint_names()
+        self.tied = self._tied_pairs()
+        for alias, owner in self.tied.items():  # share the meta parameter, as the loaded model does
+            _set_param(self.model, alias, get_submodule(self.model, owner.rpartition(".")[0]).weight)
+        self.num_params = sum(p.numel() for p in self.model.parameters())  # tied ones counted once
+
+    def _checkpoint_names(self) -> dict[str, str]:
+        """Model parameter name -> checkpoint tensor name, through transformers' key renamings."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        conversions = get_model_conversion_mapping(self.model)
+        renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+        converters = [c for c in conversions if isinstance(c, WeightConverter)]
+        if converters:
+            raise LayercutError(f"{self.path}: this architecture's checkpoint format merges tensors on load; "
+                                "it cannot be streamed block by block")
+        meta = self.model.state_dict()
+        names = {}
+        for key in self.weights.where:
+            new, _ = rename_source_key(key, renamings, converters, self.model.base_model_prefix, meta)
+            names[new] = key
+        return names
+
+    # ------------------------------------------------------------------ naming
+    def block_path(self, index: int) -> str:
+        return f"{self.spec.layers_path()}.{index}"
+
+    def _tied_pairs(self) -> dict[str, str]:
+        """Parameters stored once but used twice (tied head) that the checkpoint does not hold."""
+        keys = getattr(self.model, "_tied_weights_keys", None) or {}
+        if isinstance(keys, (list, tuple)):  # older transformers: a list of tied names
+            keys = {k: f"{self.spec.base}.{self.spec.embed}.weight" for k in keys}
+        tie = getattr(self.config.get_text_config(), "tie_word_embeddings", False)
+        return {k: v for k, v in keys.items() if tie and k not in self.names}
+
+    # ------------------------------------------------------------------ loading
+    def materialize(self, path: str, dtype: torch.dtype | None = None) -> nn.Module:
+        """Read ``path``'s parameters from the shards (in ``dtype``, default the compute dtype)."""
+        module = get_submodule(self.model, path) if path else self.model
+        dtype = dtype or self.compute_dtype
+        prefix = f"{path}." if path else ""
+        for name, param in list(module.named_parameters(recurse=True)):
+            full = prefix + name
+            source = self.tied.get(full, full)
+            if not param.is_meta and param.dtype == dtype:
+                continue
+            if source not in self.names:
+                raise LayercutError(f"{self.path}: the checkpoint has no tensor for {source}")
+            _set_param(module, name, self.weights.get(self.names[source]).to(dtype))
+        return module
+
+    def release(self, path: str) -> None:
+        """Send ``path``'s parameters back to the meta device (frees their memory)."""
+        module = get_submodule(self.model, path) if path else self.model
+        for name, param in list(module.named_parameters(recurse=True)):
+            if not param.is_meta:
+                _set_param(module, name, torch.empty_like(param, device="meta"))
+        _trim_heap()
+
+    def block(self, index: int) -> nn.Module:
+        return self.materialize(self.block_path(index))
+
+    def embeddings(self) -> nn.Module:
+        """The input embedding in the storage dtype, with its output upcast to the compute dtype."""
+        emb = self.model.get_input_embeddings()
+        path = next(n for n, m in self.model.named_modules() if m is emb)
+        self.materialize(path, dtype=self.storage_dtype)
+        if not getattr(emb, "_layercut_upcast", False):
+            emb.register_forward_hook(lambda _m, _i, out: out.to(self.compute_dtype))
+            emb._layercut_upcast = True
+        return emb
+
+    def prepare_capture(self) -> None:
+        """Materialize what input capture runs: every non-block module except the head."""
+        self.embeddings()
+        skip = {id(self.model.get_input_embeddings()), id(self.model.get_output_embeddings())}
+        for path in self.outside_blocks():
+            if id(get_submodule(self.model, path)) not in skip:
+                self.materialize(path)
+
+    def head(self) -> nn.Module:
+        """The output head in the storage dtype (see :func:`head_logprobs` for the fp32 maths)."""
+        head = self.model.get_output_embeddings()
+        path = next(n for n, m in self.model.named_modules() if m is head)
+        return self.materialize(path, dtype=self.storage_dtype)
+
+    def outside_blocks(self) -> list[str]:
+        """Paths of the non-block leaf modules that hold parameters (embeddings, norms, head)."""
+        layers = self.spec.layers_path()
+        paths = []
+        for name, module in self.model.named_modules():
+            if name.startswith(layers + ".") or name == layers:
+                continue
+            if any(True for _ in module.parameters(recurse=False)):
+                paths.append(name)
+        return paths
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc keeps them after a block's tensors are freed)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018  (probe: absent outside glibc)
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
+
+
+def _set_param(root: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    target = root.get_submodule(owner) if owner else root
+    param = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=False)
+    setattr(target, leaf, param)
+
+
+def lazy_of(model: nn.Module) -> LazyModel | None:
+    """The :class:`LazyModel` behind ``model``, if it was built lazily."""
+    return getattr(model, "_layercut_lazy", None)

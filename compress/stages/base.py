@@ -1,0 +1,242 @@
+"""The one definition of a stage's options: a strict pydantic config, from which the CLI
+flags (:mod:`compress.stages.flags`), the recipe keys (:mod:`compress.recipe`) and the
+Python API (:mod:`layercut`) all come.
+
+Usage::
+
+    from compress.stages.prune import PruneConfig
+    PruneConfig(drop=8, select="angular", replace="lstsq")     # validated now
+    PruneConfig(replce="lstsq")      # ValueError: unknown key 'replce', did you mean 'replace'? ...
+
+A field declares its type, default, bounds (``Field(ge=1)``) and a one-line
+``description``; ``json_schema_extra`` may add ``short`` (a one-letter CLI alias),
+``metavar`` and ``cli_default`` (the CLI's default where the recipe's differs: eval's
+``reference`` is the recipe's source model in a run, nothing on the command line). No
+type coercion (``"4"`` is not an int); unknown keys name the closest valid one. This
+module is torch-free: ``layercut --help`` imports it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+# a recipe's eval/heal stage compares with / distils from the recipe's model unless told otherwise
+SOURCE = "source"
+
+
+def closest(word: str, options: list[str] | tuple[str, ...]) -> str | None:
+    """The option nearest to a misspelt ``word`` (difflib ratio >= 0.6), or None."""
+    found = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+class StageConfig(BaseModel):
+    """Base of every stage config: unknown keys are errors naming the closest key; no coercion."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+    # CLI help: one line, and one or two example command lines (set by each stage)
+    help: ClassVar[str] = ""
+    examples: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """The stage's options (the recipe keys; ``--`` + dashes on the CLI)."""
+        return [k for k in cls.model_fields if k != "stage"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = [k for k in data if k not in cls.model_fields]
+            if unknown:
+                raise ValueError(unknown_key_message(str(unknown[0]), cls.option_names()))
+        return data
+
+
+def unknown_key_message(key: str, allowed: list[str]) -> str:
+    """``unknown key 'replce', did you mean 'replace'? (allowed: ...)``."""
+    near = closest(key, allowed)
+    hint = f", did you mean '{near}'?" if near else ""
+    return f"unknown key '{key}'{hint} (allowed: {', '.join(allowed)})"
+
+
+_SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$", re.IGNORECASE)
+
+
+def check_size(text: str) -> str:
+    """A shard size such as ``2GB`` or ``500MB`` (what ``save_pretrained`` accepts).
+
+    >>> check_size("500MB")
+    '500MB'
+    """
+    if not _SIZE.match(text.strip()):
+        raise ValueError(f"size '{text}' is not like 500MB or 2GB")
+    return text.strip()
+
+
+def parse_fraction(value: str | float | int, what: str = "value") -> float:
+    """A non-negative number or percentage.
+
+    >>> parse_fraction("5%"), parse_fraction(0.05)
+    (0.05, 0.05)
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a number or a percentage like 5%, got {value!r}")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            number = float(text[:-1]) / 100.0 if text.endswith("%") else float(text)
+        except ValueError:
+            raise ValueError(f"{what}: expected a number or a percentage like 5%, got '{value}'") from None
+    else:
+        number = float(value)
+    if not number >= 0 or number == float("inf"):
+        raise ValueError(f"{what}: must be a finite number >= 0, got {value!r}")
+    return number
+
+
+def int_list(value: str | list[int], what: str) -> list[int]:
+    """``"2,3,4"`` or ``[2, 3, 4]`` -> ``[2, 3, 4]``.
+
+    >>> int_list("2, 3,4", "candidates")
+    [2, 3, 4]
+    """
+    if isinstance(value, list):
+        return list(value)
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what}: expected integers like 2,3,4,8, got '{value}'") from None
+
+
+def torch_dtype(name: str, path=None):
+    """A ``--dtype`` name as a torch dtype; ``auto`` = the checkpoint's own (fp32 if it names none)."""
+    import json
+
+    import torch
+
+    if name == "auto":
+        name = "fp32"
+        try:
+            cfg = json.loads((Path(path) / "config.json").read_text()) if path is not None else {}
+        except (OSError, ValueError):
+            cfg = {}
+        stored = cfg.get("dtype") or cfg.get("torch_dtype") or (cfg.get("text_config") or {}).get("dtype")
+        name = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(str(stored), "fp32")
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+Dtype = Literal["auto", "bf16", "fp16", "fp32"]
+SaveDtype = Literal["bf16", "fp16", "fp32"]
+
+
+@dataclass
+class RunEnv:
+    """How a stage is invoked (not what it does, which is the config): the same for every stage.
+
+    ``origin`` is the run's source model (a recipe's ``model``): eval's and heal's
+    ``source`` default refers to it. ``run_dir``: reports name models relative to it.
+    """
+
+    origin: Path | None = None
+    origin_name: str | None = None
+    progress: bool = True
+    trust_remote_code: bool = False
+    overwrite: bool = False
+    run_dir: Path | None = None
+
+    def resolve(self, spec: str | None, what: str) -> Path | None:
+        """A model option: ``source`` -> the run's source model, a spec -> its path, None -> None."""
+        from compress.errors import LayercutError
+        from compress.models import resolve_model
+
+        if spec is None:
+            return None
+        if spec == SOURCE:
+            if self.origin is None:
+                raise LayercutError(f"{what} '{SOURCE}' means a recipe's source model: outside a recipe, "
+                                    "give a model path")
+            return Path(self.origin)
+        return resolve_model(spec)
+
+    def name(self, path: Path, spec: str | None = None) -> str:
+        """How a report names a model: relative to the run directory, else as given."""
+        if self.run_dir is not None:
+            try:
+                return Path(path).resolve().relative_to(Path(self.run_dir).resolve()).as_posix()
+            except ValueError:
+                pass
+        if spec == SOURCE and self.origin_name:
+            return self.origin_name
+        return str(spec) if spec is not None else str(path)
+
+
+def write_json(path: Path, data: dict) -> None:
+    import json
+
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+_VOLATILE = ("seconds", "output", "source")  # timings and absolute paths: kept out of checkpoints
+
+
+def strip_volatile(data: Any, keys: tuple[str, ...] = _VOLATILE) -> Any:
+    """``data`` without the named keys at any depth, nor any ``*_seconds`` key.
+
+    >>> strip_volatile({"a": 1, "seconds": 2.0, "x": [{"solve_seconds": 1, "b": 2}]})
+    {'a': 1, 'x': [{'b': 2}]}
+    """
+    if isinstance(data, dict):
+        return {k: strip_volatile(v, keys) for k, v in data.items()
+                if k not in keys and not str(k).endswith("_seconds")}
+    if isinstance(data, list):
+        return [strip_volatile(v, keys) for v in data]
+    return data
+
+
+# ---------------------------------------------------------------------------- streaming
+STREAM_DTYPE_HELP = ("dtype the weights are read and written in (auto: the checkpoint's own); streamed, "
+                     "each block computes in float32 on CPU")
+WHOLE_MODEL_HELP = ("load the whole model in --dtype instead of streaming it one block at a time from the "
+                    "checkpoint (streaming needs a dense checkpoint of a family in layercut's table)")
+
+
+def stream_blocker(path: Path) -> str | None:
+    """Why ``path`` cannot be streamed block by block, or None when it can."""
+    import json
+
+    from compress.arch import spec_for_model_type
+
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "its config.json is unreadable"
+    if cfg.get("quantization_config"):
+        return "it is a quantized checkpoint"
+    if cfg.get("auto_map"):
+        return "it ships its own modeling code"
+    if spec_for_model_type(str(cfg.get("model_type"))) is None:
+        return f"model type '{cfg.get('model_type')}' is not in layercut's architecture table"
+    return None
+
+
+def load_streamed(path: Path, dtype: str, env: RunEnv, whole_model: bool, what: str):
+    """A :class:`compress.lazy.LazyModel` for ``path``, or None where the stage must load the whole model."""
+    import logging
+
+    if whole_model:
+        return None
+    reason = stream_blocker(path)
+    if reason is not None:
+        logging.getLogger(f"layercut.{what}").info("%s: loading the whole model (%s)", what, reason)
+        return None
+    from compress.lazy import LazyModel
+
+    return LazyModel(path, storage_dtype=torch_dtype(dtype, path), trust_remote_code=env.trust_remote_code)

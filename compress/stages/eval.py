@@ -1,0 +1,144 @@
+"""The eval stage: held-out perplexity, KL to a reference model, size and speed, quality gates.
+
+Run it::
+
+    layercut eval bundled:smollm2-135m --json
+    layercut eval OUT --reference bundled:smollm2-135m --max-ppl-increase 5% --max-kl 0.1
+
+    from compress.stages.eval import EvalConfig, run
+    report = run(EvalConfig(max_tokens=256, reference=None), "bundled:smollm2-135m")
+
+The protocol is :mod:`compress.evaluate`'s. A failed gate is reported
+(``failed_gates``), not raised: the CLI exits with code 3, a recipe run finishes first.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from calibrate import DEFAULT_EVAL_TEXT
+from compress.stages.base import (
+    SOURCE,
+    STREAM_DTYPE_HELP,
+    WHOLE_MODEL_HELP,
+    Dtype,
+    RunEnv,
+    StageConfig,
+    parse_fraction,
+    write_json,
+)
+
+
+class EvalConfig(StageConfig):
+    """Options of ``layercut eval`` and of a recipe's ``eval`` stage."""
+
+    help: ClassVar[str] = "held-out perplexity, KL to a reference model, size and speed, with quality gates"
+    examples: ClassVar[tuple[str, ...]] = (
+        "layercut eval bundled:smollm2-135m --max-tokens 4096 --json",
+        "layercut eval runs/demo/04-export/model --reference bundled:smollm2-135m --max-kl 0.1",
+    )
+
+    stage: Literal["eval"] = "eval"
+    text: str = Field(DEFAULT_EVAL_TEXT, description="evaluation text: bundled:NAME, a .txt or .jsonl file, "
+                                                     "or hf:NAME[:CONFIG][@SPLIT]")
+    ctx: int = Field(512, ge=2, description="window length in tokens")
+    max_tokens: int = Field(16384, ge=2, description="tokens taken from the start of the text")
+    batch_size: int = Field(4, ge=1, description="windows per forward pass")
+    dtype: Dtype = Field("auto", description=STREAM_DTYPE_HELP)
+    whole_model: bool = Field(False, description=WHOLE_MODEL_HELP)
+    reference: str | None = Field(
+        SOURCE, description="model to compare with (KL, its own perplexity); in a recipe 'source' is the "
+                            "recipe's model", json_schema_extra={"cli_default": None, "metavar": "MODEL"})
+    max_ppl_increase: str | float | None = Field(
+        None, description="quality gate: fail (exit code 3) if perplexity rises more than this over the "
+                          "reference's, e.g. 5% or 0.05", json_schema_extra={"metavar": "PCT"})
+    max_kl: float | None = Field(None, ge=0, description="quality gate: fail (exit code 3) if the KL to the "
+                                                         "reference exceeds this", json_schema_extra={"metavar": "X"})
+
+    @field_validator("reference", mode="before")
+    @classmethod
+    def _old_bool(cls, v: Any) -> Any:  # recipes before the config rewrite said `reference: true/false`
+        return SOURCE if v is True else None if v is False else v
+
+    @field_validator("max_ppl_increase")
+    @classmethod
+    def _pct(cls, v: str | float | None) -> str | float | None:
+        if v is not None:
+            parse_fraction(v, "max_ppl_increase")
+        return v
+
+    @model_validator(mode="after")
+    def _gates_need_reference(self) -> EvalConfig:
+        if self.reference is None and (self.max_ppl_increase is not None or self.max_kl is not None):
+            raise ValueError("the gates max_ppl_increase and max_kl compare with a reference model: "
+                             "give reference (a model, or 'source' in a recipe)")
+        return self
+
+
+def run(config: EvalConfig, source: str | Path, output: str | Path | None = None,
+        env: RunEnv | None = None) -> dict:
+    """Evaluate ``source`` (and its reference); write the report to ``output`` (a .json file) if given.
+
+    Report: ``model`` (figures of ``source``), ``baseline`` (the reference's own figures or
+    None), ``gates``, ``gates_passed``, ``failed_gates``.
+    """
+    from compress.errors import LayercutError
+    from compress.evaluate import evaluate
+    from compress.gates import check_gates, parse_limit
+    from compress.models import load_model, load_tokenizer, resolve_model, weight_bytes
+    from compress.stages.base import load_streamed, torch_dtype
+
+    env = env or RunEnv()
+    max_ppl = parse_limit(config.max_ppl_increase, "max_ppl_increase")
+    path = resolve_model(source)
+    ref_path = env.resolve(config.reference, "reference")
+    opts = dict(text=config.text, ctx=config.ctx, max_tokens=config.max_tokens, batch_size=config.batch_size,
+                progress=env.progress)
+    lazy = load_streamed(path, config.dtype, env, config.whole_model, "eval")
+    ref_lazy = load_streamed(ref_path, config.dtype, env, config.whole_model, "eval") \
+        if ref_path is not None else None
+    baseline = None
+    if lazy is not None and (ref_path is None or ref_lazy is not None):
+        from compress.stream_eval import evaluate_lazy  # one block in memory at a time
+
+        tokenizer = load_tokenizer(path, env.trust_remote_code)
+        if ref_path is not None and load_tokenizer(ref_path, env.trust_remote_code).get_vocab() != tokenizer.get_vocab():
+            raise LayercutError("eval: the reference model has a different tokenizer vocabulary; KL is undefined")
+        result, ref_seconds = evaluate_lazy(lazy, tokenizer, reference=ref_lazy, **opts)
+        if ref_lazy is not None:  # the reference's own figures come from the same pass
+            baseline = {**result.to_dict(), "ppl": result.reference_ppl, "nll": math.log(result.reference_ppl),
+                        "params": ref_lazy.num_params, "bytes": weight_bytes(ref_path), "kl": None,
+                        "reference_ppl": None, "model": env.name(ref_path, config.reference),
+                        "seconds": ref_seconds, "tokens_per_s": result.tokens / ref_seconds}
+    else:
+        model, tokenizer = load_model(path, dtype=torch_dtype(config.dtype, path),
+                                      trust_remote_code=env.trust_remote_code)
+        reference = None
+        if ref_path is not None:
+            reference, ref_tok = load_model(ref_path, dtype=torch_dtype(config.dtype, ref_path),
+                                            trust_remote_code=env.trust_remote_code)
+            if ref_tok.get_vocab() != tokenizer.get_vocab():
+                raise LayercutError("eval: the reference model has a different tokenizer vocabulary; "
+                                    "KL is undefined")
+            base = evaluate(reference, ref_tok, **opts)
+            base.bytes, base.model = weight_bytes(ref_path), env.name(ref_path, config.reference)
+            baseline = base.to_dict()
+        result = evaluate(model, tokenizer, reference=reference, **opts)
+    result.bytes = weight_bytes(path)
+    result.model = env.name(path, str(source))
+    figures = result.to_dict()
+    gates = check_gates(figures, max_ppl, config.max_kl)
+    report = {
+        "model": figures,
+        "baseline": baseline,
+        "gates": [g.__dict__ for g in gates],
+        "gates_passed": all(g.passed for g in gates),
+        "failed_gates": [g.name for g in gates if not g.passed],
+    }
+    if output is not None:
+        write_json(Path(output), report)
+    return report

@@ -1,0 +1,111 @@
+"""The export stage: a release checkpoint (sharded safetensors + index, config, tokenizer, card).
+
+Run it::
+
+    layercut export runs/demo -o release                       # a run dir: its final model, card, report
+    layercut export runs/demo/03-quantize/model -o dense --dequantize
+
+    from compress.stages.export import ExportConfig, run
+    run(ExportConfig(save_dtype="bf16"), "pruned/", "release/")
+
+Writes atomically (nothing is left at the output on any error); the format is
+:mod:`export.export`'s. Given a layercut run directory, exports its final model with the
+run's recipe and report beside it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field, field_validator
+
+from compress.stages.base import Dtype, RunEnv, SaveDtype, StageConfig, check_size
+
+
+class ExportConfig(StageConfig):
+    """Options of ``layercut export`` and of a recipe's ``export`` stage."""
+
+    help: ClassVar[str] = "write a release checkpoint (safetensors + index, model card); dequantize GPTQ"
+    examples: ClassVar[tuple[str, ...]] = (
+        "layercut export runs/demo -o release",
+        "layercut export runs/demo/03-quantize/model -o dense --dequantize --save-dtype bf16",
+    )
+
+    stage: Literal["export"] = "export"
+    dequantize: bool = Field(False, description="turn a GPTQ checkpoint back into dense weights")
+    dtype: Dtype = Field("fp32", description="dtype a dense model is loaded in (auto: the checkpoint's own)")
+    save_dtype: SaveDtype | None = Field(None, description="dtype of the written dense weights (none: as loaded)")
+    max_shard_size: str = Field("2GB", description="largest safetensors file, e.g. 500MB or 2GB")
+    card: bool = Field(True, description="write a README.md model card")
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        return check_size(v)
+
+
+def run(config: ExportConfig, source: str | Path, output: str | Path, env: RunEnv | None = None,
+        extra_files: dict[str, str | bytes] | None = None) -> dict:
+    """Export ``source`` (a checkpoint, or a layercut run directory) to ``output``; returns a report."""
+    from compress.models import resolve_model
+    from compress.pipeline import quality_report
+    from export.card import card_files
+    from export.export import export_checkpoint, is_quantized
+
+    env = env or RunEnv()
+    src = Path(source).expanduser()
+    report = run_dir_report(src) if src.is_dir() else None
+    extra: dict[str, str | bytes] = {}
+    if report is not None:  # a run directory: its final model, with the run's recipe and report
+        run_dir, model = src, src / report["final_model"]
+        extra["recipe.yaml"] = (run_dir / "recipe.yaml").read_text()
+        extra["report.json"] = json.dumps(quality_report(report), indent=2) + "\n"
+        origin = Path(report["source"]) if Path(report["source"]).is_dir() else model
+    else:
+        run_dir, model = None, resolve_model(source)
+        origin = model
+        report = _checkpoint_report(model) or {"model": str(source), "stages": []}
+        for name in ("recipe.yaml", "report.json"):
+            if (model / name).is_file():
+                extra[name] = (model / name).read_bytes()
+    if config.card and env.run_dir is None:  # in a recipe run the pipeline writes the card at the end
+        step = {"stage": "export", "dir": "", "report": {"quantized": is_quantized(model),
+                                                         "dequantized": config.dequantize}}
+        card_report = {**report, "stages": [r for r in report["stages"] if r["stage"] != "export"] + [step]}
+        extra.update(card_files(card_report, origin, run_dir))
+    extra.update(extra_files or {})
+    result = export_checkpoint(
+        model, output, dequantize=config.dequantize, save_dtype=config.save_dtype, load_dtype=config.dtype,
+        max_shard_size=config.max_shard_size, trust_remote_code=env.trust_remote_code, extra_files=extra,
+        overwrite=env.overwrite,
+    )
+    return result.to_dict()
+
+
+def run_dir_report(path: Path) -> dict | None:
+    """The report of a layercut run directory (``report.json`` + ``recipe.yaml``), else None."""
+    from compress.errors import LayercutError
+
+    report_file = path / "report.json"
+    if not (path / "recipe.yaml").is_file() or not report_file.is_file():
+        return None
+    try:
+        report = json.loads(report_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise LayercutError(f"{report_file}: invalid JSON ({exc.msg})") from None
+    if not isinstance(report, dict) or "stages" not in report:
+        return None
+    if not report.get("final_model"):
+        raise LayercutError(f"{path}: the run has no model yet (no finished stage wrote one)")
+    return report
+
+
+def _checkpoint_report(model: Path) -> dict | None:
+    """The timing-free report a layercut export put inside a checkpoint, if any."""
+    try:
+        report = json.loads((model / "report.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return report if isinstance(report, dict) and isinstance(report.get("stages"), list) else None

@@ -1,0 +1,267 @@
+"""The prune stage: pick layers, remove them (drop / linear replace / fuse), write a checkpoint.
+
+Run it::
+
+    layercut prune bundled:smollm2-135m -o out/cut8 --drop 8 --select block-influence --replace lstsq
+
+    from compress.stages.prune import PruneConfig, prune_model, run
+    run(PruneConfig(drop=8, select="block-influence", replace="lstsq"), "bundled:smollm2-135m", "out/cut8")
+    model = prune_model(model, tokenizer, PruneConfig(layers=[3, 4]))          # in memory
+
+Both paths share :func:`apply`; the algorithms are in :mod:`compress.depth`. Every option
+is validated before any work; the output directory appears only when complete. Besides
+the weights it holds ``layercut_prune.json`` (no timings or paths, so reruns are
+byte-identical): which layers (old numbering), how they were chosen (with the scores),
+the transform and its per-span fit statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from calibrate import DEFAULT_CALIB_TEXT
+from compress.stages.base import (
+    STREAM_DTYPE_HELP,
+    WHOLE_MODEL_HELP,
+    Dtype,
+    RunEnv,
+    StageConfig,
+    parse_fraction,
+    strip_volatile,
+)
+
+log = logging.getLogger("layercut.prune")
+PRUNE_VERSION = 1
+
+
+class PruneConfig(StageConfig):
+    """Options of ``layercut prune`` and of a recipe's ``prune`` stage.
+
+    >>> PruneConfig(drop="25%", select="angular").drop
+    '25%'
+    """
+
+    help: ClassVar[str] = "remove blocks or sublayers (drop, linear replacement, fuse) and save a checkpoint"
+    examples: ClassVar[tuple[str, ...]] = (
+        "layercut prune bundled:smollm2-135m -o cut8 --drop 8 --select block-influence --replace lstsq",
+        "layercut prune ./model -o cut --layers 12-17,25 --what attention",
+    )
+
+    stage: Literal["prune"] = "prune"
+    drop: int | str | None = Field(None, description="how many blocks or sublayers to remove, or a percentage "
+                                                     "of the blocks such as 25%", json_schema_extra={"metavar": "N"})
+    select: str | None = Field(None, description="how to choose them: angular, angular-all or block-influence "
+                                                 "(blocks); attn-cosine or gate-norm (attention); mlp-cosine (mlp)",
+                               json_schema_extra={"metavar": "METHOD"})
+    layers: str | list[int] | None = Field(None, description="or name the layers, e.g. 3,4,5 or 12-17,25",
+                                           json_schema_extra={"metavar": "LIST"})
+    what: Literal["block", "attention", "mlp"] = Field("block", description="what to remove")
+    replace: Literal["none", "lstsq", "cosine"] = Field(
+        "none", description="repair each removed span with one linear map fitted on data (least squares or "
+                            "cosine) and merged into the block before it")
+    stream: Literal["original", "sequential"] = Field(
+        "sequential", description="activations the maps are fitted on: the original model's, or those of the "
+                                  "model repaired so far")
+    alpha: float = Field(1e-4, ge=0.0, description="ridge term of the least-squares fit, relative to the mean "
+                                                   "squared activation")
+    fuse: bool = Field(False, description="fold the removed blocks into their neighbour instead (LaCo)")
+    fuse_calibrate: bool = Field(False, description="fit one merge coefficient per matrix on data (with --fuse)")
+    calib: str = Field(DEFAULT_CALIB_TEXT, description="calibration text")
+    samples: int = Field(64, ge=1, description="calibration sequences")
+    seq_len: int = Field(512, ge=2, description="tokens per calibration sequence")
+    batch_size: int = Field(8, ge=1, description="sequences per forward pass")
+    dtype: Dtype = Field("auto", description=STREAM_DTYPE_HELP)
+    whole_model: bool = Field(False, description=WHOLE_MODEL_HELP + "; sublayer removal and fuse always load it")
+
+    @field_validator("drop")
+    @classmethod
+    def _drop(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"drop must be a count >= 1 or a percentage like 25%, got {v}")
+        if isinstance(v, str):
+            frac = parse_fraction(v, "drop") if v.strip().endswith("%") else None
+            if frac is None or not 0 < frac < 1:
+                raise ValueError(f"drop must be a count >= 1 or a percentage in (0%, 100%), got '{v}'")
+        return v
+
+    @model_validator(mode="after")
+    def _request(self) -> PruneConfig:
+        from compress.depth.prune import check_request, parse_layers
+        from compress.errors import LayercutError
+
+        drop = self.drop if isinstance(self.drop, int) or self.drop is None else None if self.layers else 1
+        try:
+            picked = parse_layers(self.layers)
+            check_request(self.what, drop, self.select, picked, self.replace, self.fuse, self.fuse_calibrate)
+        except LayercutError as exc:  # the checks speak in flags; a config names its keys
+            raise ValueError(re.sub(r"--([a-z][a-z-]*)", lambda m: m.group(1).replace("-", "_"), str(exc))) from None
+        return self
+
+    def count(self, num_layers: int) -> int | None:
+        """``drop`` as a count: ``"25%"`` of ``num_layers``, rounded, at least 1.
+
+        >>> PruneConfig(drop="25%", select="angular").count(30)
+        8
+        """
+        if self.drop is None or isinstance(self.drop, int):
+            return self.drop
+        return max(1, int(parse_fraction(self.drop) * num_layers + 0.5))
+
+
+def choose(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
+           progress: bool = True) -> dict:
+    """Validate the request against ``model`` and pick the layers (scoring on data where asked).
+
+    Returns ``picked``, ``scores``, ``calib_set`` (None when no data is needed),
+    ``num_layers`` and ``params_before``. ``model`` may be a lazily loaded one
+    (:class:`compress.lazy.LazyModel`): scoring streams it block by block.
+    """
+    from calibrate.data import calibration_batch
+    from compress.arch import arch_for
+    from compress.depth.prune import _params, check_against_model, choose_layers, parse_layers
+
+    picked = parse_layers(config.layers)
+    count = config.count(len(arch_for(model).layers_of(model)))
+    count = count if count is not None else len(picked)
+    num_layers = check_against_model(model, config.what, count, picked, config.replace)
+    params_before = _params(model)
+    select, replace = config.select, config.replace
+    needs_data = replace != "none" or config.fuse_calibrate or select not in (None, "gate-norm")
+    calib_set = calibration_batch(tokenizer, config.calib, samples=config.samples, seq_len=config.seq_len) \
+        if needs_data else None
+    scores = None
+    if select is not None:
+        picked, scores = choose_layers(model, model_dir, config.what, count, select, calib_set, config.batch_size,
+                                       progress, keep_first=replace != "none")
+        check_against_model(model, config.what, count, picked, replace)
+    return {"picked": picked, "scores": scores, "calib_set": calib_set, "num_layers": num_layers,
+            "params_before": params_before}
+
+
+def apply(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
+          progress: bool = True) -> tuple[object, dict]:
+    """The shared core: choose the layers and transform ``model`` in place; returns (model, report)."""
+    from compress.depth.prune import _params
+    from compress.depth.prune import prune_model as transform
+
+    plan = choose(model, tokenizer, config, model_dir, progress)
+    picked, calib_set, replace = plan["picked"], plan["calib_set"], config.replace
+    extra = {"stream": config.stream, "alpha": config.alpha} if replace != "none" else {}
+    fit_data = calib_set if (replace != "none" or config.fuse_calibrate) else None
+    model, details = transform(model, picked, config.what, replace, config.fuse, fit_data, config.batch_size,
+                               progress, **extra)
+    return model, report_of(config, plan, details, int(model.config.num_hidden_layers), _params(model))
+
+
+def report_of(config: PruneConfig, plan: dict, details: dict, layers_after: int, params_after: int) -> dict:
+    """The prune report (``layercut_prune.json`` without timings), the same for both paths."""
+    from compress.depth.prune import transform_name
+
+    picked, select, replace = plan["picked"], config.select, config.replace
+    extra = {"stream": config.stream, "alpha": config.alpha} if replace != "none" else {}
+    report = {
+        "version": PRUNE_VERSION,
+        "what": config.what,
+        "layers": picked,
+        "select": select or "explicit",
+        "transform": transform_name(replace, config.fuse, config.fuse_calibrate),
+        "num_layers_before": plan["num_layers"],
+        "num_layers_after": layers_after,
+        "params_before": plan["params_before"],
+        "params_after": params_after,
+        "calibration": {"text": config.calib, "samples": config.samples, "seq_len": config.seq_len}
+        if plan["calib_set"] is not None else None,
+        **details,
+        **extra,
+        "scores": plan["scores"],
+    }
+    what = "blocks" if config.what == "block" else f"{config.what} sublayers"
+    how = {"drop": "dropped", "replace-lstsq": "replaced by a least-squares linear map merged into the "
+           "preceding block's down_proj", "replace-cosine": "replaced by a cosine-fitted linear map merged "
+           "into the preceding block's down_proj"}.get(report["transform"], report["transform"])
+    chosen = "chosen explicitly" if select is None else f"selected by {select}"
+    report["description"] = f"{what} {picked} of {plan['num_layers']} {how} ({chosen})"
+    report["removed_blocks" if config.what == "block" else "removed_sublayers"] = picked
+    log.info("prune: %s", report["description"])
+    return report
+
+
+def _run_streamed(lazy, config: PruneConfig, model_dir: Path, output: str | Path, env: RunEnv) -> dict:
+    """Block drop / linear replacement with one block in memory: select and fit over the lazy driver,
+    then copy the checkpoint tensor by tensor (kept dtype), folding the maps in on the way."""
+    from compress.depth.replace import fit_linear_maps
+    from compress.depth.stream_drop import map_edits, write_without_blocks
+    from compress.models import load_tokenizer
+    from export.checkpoint import atomic_dir
+
+    tokenizer = load_tokenizer(model_dir, env.trust_remote_code)
+    plan = choose(lazy.model, tokenizer, config, model_dir, env.progress)
+    details, edits = {}, None
+    if config.replace != "none":
+        fits = fit_linear_maps(lazy.model, plan["picked"], plan["calib_set"], method=config.replace,
+                               alpha=config.alpha, stream=config.stream, batch_size=config.batch_size,
+                               progress=env.progress)
+        details, edits = {"spans": [f.to_dict() for f in fits]}, map_edits(lazy, fits)
+    with atomic_dir(output, env.overwrite) as tmp:
+        summary = write_without_blocks(lazy, tmp, plan["picked"], edits=edits)
+        report = report_of(config, plan, details, summary["layers_after"], summary["params_after"])
+        (tmp / "layercut_prune.json").write_text(json.dumps(strip_volatile(report), indent=2, default=str))
+    return report
+
+
+def prune_model(model, tokenizer, config: PruneConfig, progress: bool = True):
+    """Prune an in-memory model (small models, notebooks); returns the model (changed in place)."""
+    return apply(model, tokenizer, config, None, progress)[0]
+
+
+def run(config: PruneConfig, source: str | Path, output: str | Path, env: RunEnv | None = None,
+        plot: str | Path | None = None) -> dict:
+    """Load ``source``, prune it, write the checkpoint to ``output``; returns the report.
+
+    ``plot``: also write a PNG of the selection scores (selected layers in red).
+    """
+    from compress.depth.sublayers import sublayer_readme
+    from compress.models import load_model, resolve_model
+    from compress.stages.base import load_streamed, torch_dtype
+    from export.checkpoint import atomic_dir, check_output_dir, write_checkpoint_into
+
+    env = env or RunEnv()
+    check_output_dir(output, env.overwrite)
+    model_dir = resolve_model(source)
+    start = time.perf_counter()
+    streamable = config.what == "block" and not config.fuse
+    lazy = load_streamed(model_dir, config.dtype, env, config.whole_model or not streamable, "prune")
+    if lazy is not None:
+        report = _run_streamed(lazy, config, model_dir, output, env)
+    else:
+        model, tokenizer = load_model(model_dir, dtype=torch_dtype(config.dtype, model_dir),
+                                      trust_remote_code=env.trust_remote_code)
+        model, report = apply(model, tokenizer, config, model_dir, env.progress)
+        files = {"layercut_prune.json": json.dumps(strip_volatile(report), indent=2, default=str)}
+        if config.what != "block":
+            files["README.md"] = sublayer_readme(model.config, str(source))
+        with atomic_dir(output, env.overwrite) as tmp:
+            write_checkpoint_into(model, tokenizer, tmp, extra_files=files)
+    seconds = time.perf_counter() - start
+    if plot is not None and report["scores"]:
+        _plot(report, config, Path(plot))
+        report["plot"] = str(plot)
+    report = {k: v for k, v in report.items() if k != "scores"}
+    return {**report, "source": str(source), "output": str(output), "seconds": round(seconds, 3)}
+
+
+def _plot(report: dict, config: PruneConfig, path: Path) -> None:
+    from compress.select import LayerScores, plot_scores
+
+    layers = report["layers"]
+    highlight = layers if config.select and not config.select.startswith("angular") else layers[:1]
+    scores = report["scores"]  # the angular panel's x axis is the span start: highlight only it
+    scores = LayerScores.from_dict(scores) if "num_layers" in scores else scores  # gate-norm: a dict
+    plot_scores(scores, path, highlight=highlight, title=f"{config.select}: {config.what} {layers} removed")

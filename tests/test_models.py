@@ -1,0 +1,201 @@
+"""Model inputs: shard writer, shard-index checks, Hub ids from the local hub cache, GGUF conversion.
+
+Run: ``HF_HUB_OFFLINE=1 python -m pytest -q tests/test_models.py [--runslow]``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_tiny_model
+
+from compress.errors import LayercutError
+from compress.models import _check_weights, load_model, resolve_model
+from export.shards import INDEX, SINGLE, ShardWriter, parse_size
+
+
+def _save_sharded(model, tokenizer, folder: Path, max_bytes: int) -> list[Path]:
+    folder.mkdir(parents=True)
+    with ShardWriter(folder, max_bytes) as writer:
+        for name, tensor in model.state_dict().items():
+            if name != "lm_head.weight" or not model.config.tie_word_embeddings:
+                writer.add(name, tensor)
+    model.config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return sorted(folder.glob("*.safetensors"))
+
+
+def test_parse_size():
+    assert parse_size("2GB") == 2 * 10**9
+    assert parse_size("64KiB") == 64 * 1024
+    assert parse_size(123) == 123
+
+
+def test_shard_writer_round_trip(tmp_path, tiny_tokenizer):
+    """Several shards + index load in stock transformers with every tensor equal."""
+    from transformers import AutoModelForCausalLM
+
+    model = build_tiny_model("llama")
+    shards = _save_sharded(model, tiny_tokenizer, tmp_path / "m", max_bytes=64 * 1024)
+    assert len(shards) > 2, "the 64 KiB limit must split the tiny model"
+    assert [p.name for p in shards] == [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                                        for i in range(1, len(shards) + 1)]
+    index = json.loads((tmp_path / "m" / INDEX).read_text())
+    assert set(index["weight_map"].values()) == {p.name for p in shards}
+    assert not list((tmp_path / "m").glob(".shard-*")), "provisional names must be gone"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", use_safetensors=True)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_shard_writer_single_file_and_errors(tmp_path):
+    with ShardWriter(tmp_path / "one", "1GB") as writer:
+        writer.add("a", torch.ones(3))
+        writer.add("b", torch.zeros(2, 2))
+        with pytest.raises(ValueError, match="added twice"):
+            writer.add("a", torch.ones(1))
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == [SINGLE]
+    with pytest.raises(ValueError, match="no tensors"):
+        ShardWriter(tmp_path / "empty").close()
+
+
+@pytest.fixture()
+def sharded_dir(tmp_path, tiny_tokenizer) -> Path:
+    _save_sharded(build_tiny_model("llama"), tiny_tokenizer, tmp_path / "m", max_bytes=64 * 1024)
+    return tmp_path / "m"
+
+
+def test_missing_shard_named_in_index(sharded_dir):
+    victim = sorted(sharded_dir.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(LayercutError, match=f"shard {victim.name} .* is missing"):
+        load_model(sharded_dir, with_tokenizer=False)
+
+
+def test_index_names_tensor_no_shard_holds(sharded_dir):
+    index = json.loads((sharded_dir / INDEX).read_text())
+    first = sorted(index["weight_map"].values())[0]
+    index["weight_map"]["model.layers.99.mlp.up_proj.weight"] = first
+    (sharded_dir / INDEX).write_text(json.dumps(index))
+    with pytest.raises(LayercutError, match="names tensor model.layers.99.mlp.up_proj.weight"):
+        _check_weights(sharded_dir)
+
+
+def test_truncated_shard(sharded_dir):
+    victim = sorted(sharded_dir.glob("model-*.safetensors"))[-1]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    with pytest.raises(LayercutError, match="corrupt safetensors"):
+        load_model(sharded_dir, with_tokenizer=False)
+
+
+# ------------------------------------------------------------------ Hub ids, offline hub cache
+def _hub_cache(root: Path, repo: str, source: Path, revision: str = "main") -> Path:
+    """Lay ``source``'s files out as huggingface_hub's cache does: blobs, snapshots/<commit>, refs."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = root / f"models--{repo.replace('/', '--')}"
+    snap = repo_dir / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (repo_dir / "blobs").mkdir()
+    for file in source.iterdir():
+        blob = repo_dir / "blobs" / f"blob-{file.name}"
+        shutil.copy(file, blob)
+        (snap / file.name).symlink_to(Path("../../blobs") / blob.name)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / revision).write_text(commit)
+    return snap
+
+
+@pytest.fixture()
+def hub_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    root = tmp_path / "hub"
+    root.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return root
+
+
+def test_hub_id_resolves_from_local_cache(hub_cache, tiny_model_dir):
+    snap = _hub_cache(hub_cache, "tiny-org/tiny-llama", tiny_model_dir("llama"))
+    assert resolve_model("tiny-org/tiny-llama") == snap
+    assert resolve_model("tiny-org/tiny-llama@main") == snap
+    model, tok = load_model("tiny-org/tiny-llama")
+    assert model.config.num_hidden_layers == 6 and tok is not None
+
+
+def test_hub_id_not_cached_offline_is_one_clear_error(hub_cache):
+    with pytest.raises(LayercutError, match="not in the local hub cache and HF_HUB_OFFLINE is set"):
+        resolve_model("nobody/not-cached")
+    with pytest.raises(LayercutError, match="not in the local hub cache"):
+        resolve_model("tiny-org/tiny-llama@v9")  # revision that the cache has no ref for
+
+
+def test_local_path_wins_over_hub_id(hub_cache, tiny_model_dir, tmp_path, monkeypatch):
+    _hub_cache(hub_cache, "org/model", tiny_model_dir("llama"))
+    local = tmp_path / "org" / "model"
+    shutil.copytree(tiny_model_dir("qwen2"), local)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("org/model").resolve() == local.resolve()
+
+
+def test_not_a_path_nor_hub_id():
+    with pytest.raises(LayercutError, match="model not found"):
+        resolve_model("no/such/deep/path")
+
+
+# ------------------------------------------------------------------ GGUF
+def test_gguf_unsupported_architecture(tmp_path, monkeypatch):
+    from gguf import GGUFWriter
+
+    monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "odd.gguf"
+    writer = GGUFWriter(str(path), arch="notanarch")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(LayercutError, match="GGUF architecture 'notanarch' is not supported"):
+        resolve_model(path)
+    models = tmp_path / "cache" / "models"
+    assert not models.exists() or not any(models.iterdir()), "nothing half-written in the cache"
+
+
+def test_not_a_gguf(tmp_path):
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"not a gguf file at all")
+    with pytest.raises(LayercutError, match="GGUF"):
+        resolve_model(path)
+
+
+@pytest.mark.slow
+def test_streamed_gguf_conversion_matches_transformers(tmp_path, monkeypatch):
+    """The one-tensor-at-a-time conversion equals transformers' whole-model GGUF load, bit for bit (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.models import bundled_gguf_path
+
+    monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path))
+    gguf = bundled_gguf_path("smollm2-135m")
+    path = resolve_model("bundled:smollm2-135m")
+    assert path.name == "smollm2-135m-float32"
+    assert resolve_model("bundled:smollm2-135m") == path  # cached: no second conversion
+    ours = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, dtype=torch.float32).state_dict()
+    theirs = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                  dtype=torch.float32).state_dict()
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+    del ours, theirs
+    bf16 = resolve_model("bundled:smollm2-135m", convert_dtype=torch.bfloat16)
+    assert bf16.name == "smollm2-135m-bfloat16" and bf16 != path
+    from safetensors import safe_open
+
+    with safe_open(str(bf16 / "model.safetensors"), framework="pt") as fh:
+        assert fh.get_tensor("model.layers.0.mlp.down_proj.weight").dtype == torch.bfloat16
