@@ -62,6 +62,8 @@ def model_dir(name: str) -> Path:
 
     if name == "smollm2-135m":
         return resolve_model("bundled:smollm2-135m", convert_dtype=torch.bfloat16)
+    if name == "smollm2-135m-fp32":  # the timing comparison: what the in-memory path has always used
+        return resolve_model("bundled:smollm2-135m")
     folder = cache_dir() / "bench-models" / f"{name}-random-bf16"
     if (folder / "config.json").is_file():
         return folder
@@ -121,7 +123,10 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
         from compress.stages.eval import EvalConfig
         from compress.stages.eval import run as run_eval
 
-        cfg = EvalConfig(max_tokens=eval_tokens, reference=str(path), whole_model=stage == "eval-in-memory")
+        whole = stage == "eval-in-memory" or bool(os.environ.get("LAYERCUT_BENCH_WHOLE"))
+        # timing: no reference (the whole-model path evaluates a reference twice: KL pass + its own figures)
+        reference = None if os.environ.get("LAYERCUT_BENCH_TIMING") else str(path)
+        cfg = EvalConfig(max_tokens=eval_tokens, reference=reference, whole_model=whole)
         res = run_eval(cfg, str(path), env=RunEnv(progress=False))["model"]
         out.update(ppl=res["ppl"], kl=res["kl"], tokens=res["tokens"])
     elif stage == "score":
@@ -139,7 +144,8 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
 
         lstsq = dict(replace="lstsq", samples=samples, seq_len=seq_len) if stage == "prune-lstsq" else {}
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            report = run_prune(PruneConfig(layers=[1, 2], **lstsq), str(path), Path(tmp) / "out",
+            whole = bool(os.environ.get("LAYERCUT_BENCH_WHOLE"))
+            report = run_prune(PruneConfig(layers=[1, 2], whole_model=whole, **lstsq), str(path), Path(tmp) / "out",
                                env=RunEnv(progress=False))
         out.update(layers_after=report["num_layers_after"], tokens=samples * seq_len if lstsq else "")
     elif stage == "quantize":
@@ -148,8 +154,9 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
         from compress.stages.quantize import QuantizeConfig
         from compress.stages.quantize import run as run_quantize
 
-        group = 64 if name == "smollm2-135m" else 128  # SmolLM2's 576 inputs are not a multiple of 128
-        cfg = QuantizeConfig(bits=4, group_size=group, samples=samples, seq_len=seq_len, batch_size=4)
+        group = 64 if name.startswith("smollm2") else 128  # SmolLM2's 576 inputs are not a multiple of 128
+        cfg = QuantizeConfig(bits=4, group_size=group, samples=samples, seq_len=seq_len, batch_size=4,
+                             whole_model=bool(os.environ.get("LAYERCUT_BENCH_WHOLE")))
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             report = run_quantize(cfg, str(path), Path(tmp) / "out", env=RunEnv(progress=False))
         out.update(avg_bits=report["avg_bits"], group_size=group, tokens=samples * seq_len)
@@ -159,6 +166,46 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
     out["rss_before_stage_mb"] = base_rss / 1024
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
+
+
+TIMED = {"eval": "eval-streamed", "prune-lstsq": "prune-lstsq", "quantize": "quantize"}
+
+
+def timing(args, out_path: Path) -> None:
+    """Streamed vs whole-model wall time of the same stage on SmolLM2 (its fp32 conversion), in one run:
+    the two paths alternate, each in its own one-thread process, ``--repeats`` times."""
+    rows = []
+    for stage, child_stage in TIMED.items():
+        for variant in ("streamed", "whole"):
+            for rep in range(args.repeats):
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "LAYERCUT_BENCH_TIMING": "1",
+                       "LAYERCUT_BENCH_WHOLE": "1" if variant == "whole" else ""}
+                proc = subprocess.run([sys.executable, __file__, "--child", "smollm2-135m-fp32", child_stage,
+                                       "--eval-tokens", str(args.eval_tokens), "--samples", str(args.samples),
+                                       "--seq-len", str(args.seq_len)], capture_output=True, text=True, env=env)
+                if proc.returncode != 0:
+                    print(proc.stderr[-3000:], file=sys.stderr)
+                    raise SystemExit(f"timing {stage} {variant} failed")
+                r = json.loads(proc.stdout.strip().splitlines()[-1])
+                rows.append({"stage": stage, "variant": variant, "repeat": rep, "seconds": r["seconds"],
+                             "peak_rss_mb": r["peak_rss_mb"], "ppl": r.get("ppl"), "avg_bits": r.get("avg_bits")})
+                print(f"{stage:12s} {variant:8s} {r['seconds']:7.1f} s  {r['peak_rss_mb']:7.0f} MB", flush=True)
+    lines = ["| stage | streamed s (min) | whole model s (min) | ratio | streamed peak MB | whole peak MB |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for stage in TIMED:
+        s_ = min(r["seconds"] for r in rows if r["stage"] == stage and r["variant"] == "streamed")
+        w_ = min(r["seconds"] for r in rows if r["stage"] == stage and r["variant"] == "whole")
+        sp = max(r["peak_rss_mb"] for r in rows if r["stage"] == stage and r["variant"] == "streamed")
+        wp = max(r["peak_rss_mb"] for r in rows if r["stage"] == stage and r["variant"] == "whole")
+        lines.append(f"| {stage} | {s_:.1f} | {w_:.1f} | {s_ / w_:.2f} | {sp:.0f} | {wp:.0f} |")
+    print("\n".join(lines))
+    data = json.loads(out_path.read_text()) if out_path.is_file() else {"rows": []}
+    data["timing"] = {"model": "bundled:smollm2-135m (fp32 conversion)", "repeats": args.repeats,
+                      "eval_tokens": args.eval_tokens, "calib": f"{args.samples} x {args.seq_len}", "rows": rows,
+                      "table": lines}
+    tmp = out_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, out_path)
 
 
 def table(rows: list[dict]) -> str:
@@ -184,6 +231,9 @@ def main() -> None:
     ap.add_argument("--from-json", action="store_true", help="print the stored table only")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "STAGE"), help=argparse.SUPPRESS)
     ap.add_argument("--prepare", metavar="MODEL", help=argparse.SUPPRESS)
+    ap.add_argument("--timing", action="store_true",
+                    help="wall time streamed vs whole model on SmolLM2 (fp32), alternating, --repeats each")
+    ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     if args.prepare:  # conversion / random-checkpoint writing stays out of the stage's own peak
         print(model_dir(args.prepare))
@@ -192,6 +242,9 @@ def main() -> None:
         print(json.dumps(child(*args.child, args.eval_tokens, args.samples, args.seq_len)))
         return
     out_path = Path(args.json_out)
+    if args.timing:
+        timing(args, out_path)
+        return
     if args.from_json:
         print(table(json.loads(out_path.read_text())["rows"]))
         return

@@ -446,7 +446,7 @@ def render(state: dict, an: dict) -> str:
               "|---|---:|---:|---:|---:|---:|---:|"]
         for name, c in checks.items():
             pred = f"{c['predicted_kl']:.5f}" if c.get("predicted_kl") is not None else "–"
-            L.append(f"| {name} | {c.get('avg_bits', float('nan')):.4f} | {pred} | {c['kl']:.5f} | {c['ppl']:.3f} "
+            L.append(f"| {name.replace(' | ', ' · ')} | {c.get('avg_bits', float('nan')):.4f} | {pred} | {c['kl']:.5f} | {c['ppl']:.3f} "
                      f"| {c.get('fresh_kl', float('nan')):.5f} | {c.get('fresh_ppl', float('nan')):.3f} |")
         L.append("")
     if an["spearman_between_candidates"]:

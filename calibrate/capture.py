@@ -202,6 +202,8 @@ def run_blocks(
     home = torch.device("cpu") if lazy is not None else model.get_input_embeddings().weight.device
     device = torch.device(device) if device is not None else home
     hidden, call_args = capture_inputs(model, calib, batch_size, spec)
+    if lazy is not None:  # the embedding (128k x hidden on Llama 3) is not needed past input capture
+        lazy.release_outside()
     masks = [m.bool().to(device) for _, m in calib.split(batch_size)]
     hidden = [h.to(device) for h in hidden]
     bar = tqdm(range(len(layers)), desc=desc, disable=not progress, unit="block")

@@ -219,6 +219,11 @@ class LazyModel:
             if id(get_submodule(self.model, path)) not in skip:
                 self.materialize(path)
 
+    def release_outside(self) -> None:
+        """Release every non-block module (embeddings, norms, head); a later step re-reads what it needs."""
+        for path in self.outside_blocks():
+            self.release(path)
+
     def head(self) -> nn.Module:
         """The output head in the storage dtype (see :func:`head_logprobs` for the fp32 maths)."""
         head = self.model.get_output_embeddings()

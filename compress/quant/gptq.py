@@ -151,14 +151,20 @@ def _inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor, float]:
     If a factorisation fails, damp is multiplied by 10 (``_DAMP_TRIES`` tries in all).
     """
     mean_diag = H.diagonal().mean()
-    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     tries = [damp * 10**k for k in range(_DAMP_TRIES)] if damp > 0 else [0.0, 1e-4, 1e-3, 1e-2, 1e-1]
     for d in tries:
-        L, info = torch.linalg.cholesky_ex(H + (d * mean_diag) * eye)
+        # H + λI with the diagonal added in place: the same values as H + λ·eye, one [in, in] copy
+        # fewer (at in = 28,672, a 70B down_proj, each float64 copy is 6.6 GB)
+        damped = H.clone()
+        damped.diagonal().add_(d * mean_diag)
+        L, info = torch.linalg.cholesky_ex(damped)
+        del damped
         if int(info) != 0:
             continue
         Hinv = torch.cholesky_inverse(L)
+        del L
         U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+        del Hinv
         if int(info) == 0 and torch.isfinite(U).all():
             return U, d
     raise LayercutError(

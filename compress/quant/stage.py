@@ -282,7 +282,10 @@ class HessianSet:
                 return
             n = self.n[g]
             Hb = Hb.double()
-            self.H[g] = Hb if self.H[g] is None else self.H[g] * (n / (n + m)) + Hb * (m / (n + m))
+            if self.H[g] is None:
+                self.H[g] = Hb
+            else:  # H·n/(n+m) + Hb·m/(n+m), in place: no [in, in] temporaries
+                self.H[g].mul_(n / (n + m)).add_(Hb.mul_(m / (n + m)))
             self.n[g] = n + m
 
         return fn
@@ -368,6 +371,7 @@ def quantize_model(
                     set_weight(module, res.dequant, spec.conv1d)
                     result.layers[name] = _record(name, res, W)
                 result.tokens = hs.n[g]
+                hs.H[g] = H = None  # solved: free the Hessian before the next group's solve
         run.invalidate()  # the next block sees this block's quantized outputs
 
     callbacks = [on_block] + ([lambda run: after_block(run, result)] if after_block is not None else [])
