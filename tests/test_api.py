@@ -152,7 +152,7 @@ def test_every_module_has_one_name_and_the_op_registers_once():
             "files = {}\n"
             "for name, m in list(sys.modules.items()):\n"
             "    f = getattr(m, '__file__', None)\n"
-            "    if f and f.startswith(sys.argv[1]) and '.venv' not in f:\n"
+            "    if f and f.startswith(sys.argv[1]) and 'site-packages' not in f:\n"
             "        files.setdefault(f, []).append(name)\n"
             "print(sorted(v for v in files.values() if len(v) > 1))\n"
             "print(sorted(n for n in sys.modules if n.startswith('layercut.')))\n")
