@@ -53,6 +53,7 @@ that ranks best (both on calibration tokens, not on ``--text``).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import resource
@@ -371,6 +372,22 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def _store_run(out: Path, setup: dict, key: str, row: dict) -> dict:
+    """Add one run to ``out`` under a lock, re-reading it first: invocations with disjoint ``--only``
+    sets can share one JSON (e.g. the slow GPTQModel rows on another core). Written atomically."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = _load(out)
+        if data.get("setup", setup) != setup:
+            sys.exit(f"{out} was rewritten with {data['setup']} while this run used {setup}")
+        data = {"setup": setup, "runs": {**data.get("runs", {}), key: row}}
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        tmp.replace(out)
+    return data
+
+
 def _fmt(x, spec: str) -> str:
     return "—" if x is None else format(x, spec)
 
@@ -594,7 +611,9 @@ def main() -> None:
     args.md_out = args.md_out or md_default
 
     out = Path(args.json_out)
-    data = {} if args.restart else _load(out)
+    if args.restart:
+        out.unlink(missing_ok=True)
+    data = _load(out)
     seeds = [int(s) for s in args.seeds.split(",")]
     setup = {"version": VERSION, "threads": int(THREADS), "samples": args.samples, "seq_len": args.seq_len,
              "max_tokens": args.max_tokens, "group_size": GS, "model": MODEL, "calib": DEFAULT_CALIB_TEXT,
@@ -629,9 +648,7 @@ def main() -> None:
                 log.write_text(proc.stdout + "\n" + proc.stderr)
                 print(f"   FAILED (exit {proc.returncode}); log: {log}", flush=True)
                 continue
-            data["runs"][key] = {**json.loads(rows[-1]), "process_s": time.perf_counter() - t0}
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(data, indent=2, default=str) + "\n")
+            data = _store_run(out, setup, key, {**json.loads(rows[-1]), "process_s": time.perf_counter() - t0})
             r = data["runs"][key]
             print("   " + ", ".join(f"{k} {v:.4g}" for k, v in r.items() if isinstance(v, float)), flush=True)
     print(table_md(data))
