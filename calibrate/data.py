@@ -1,4 +1,4 @@
-"""Text sources and calibration batches.
+"""Calibration batches: token windows drawn from one or several text sources.
 
 Usage::
 
@@ -6,33 +6,41 @@ Usage::
     docs = load_texts("bundled:brown-calib")          # list[str]
     calib = calibration_batch(tokenizer, "bundled:brown-calib", samples=128, seq_len=512, seed=0)
     calib.input_ids, calib.attention_mask             # [N, L] each
+    mix = [TextSource(source="bundled:brown-calib", weight=0.7),
+           TextSource(source="hf:/data/chat@train[:500]", chat_template=True, weight=0.3)]
+    calib = calibration_batch(tokenizer, mix, samples=128, seq_len=512, seed=0)   # ~90 + ~38 windows
 
-Sources: the bundled Brown corpus, split by file id (``calibrate/data/brown.json`` lists
-every split's file ids): ``bundled:brown-calib`` (400 files, calibration and healing),
-``bundled:brown-val`` (50 held-out files, for choosing defaults), ``bundled:brown-test``
-(the other 50 held-out files, for reporting results) and ``bundled:brown-heldout`` (val +
-test, what results before the split were measured on); a local ``.txt`` file (documents
-separated by blank lines), a local ``.jsonl`` file (a ``"text"`` field per line), or
-``hf:NAME[:CONFIG][@SPLIT]`` through ``datasets.load_dataset`` (offline-friendly:
-local dataset folders and cached datasets work without a network).
+Sources (:mod:`calibrate.sources`): the bundled Brown corpus, split by file id
+(``calibrate/data/brown.json`` lists every split's file ids): ``bundled:brown-calib`` (400
+files, calibration and healing), ``bundled:brown-val`` (50 held-out files, for choosing
+defaults), ``bundled:brown-test`` (the other 50 held-out files, for reporting results) and
+``bundled:brown-heldout`` (val + test, what results before the split were measured on); a
+local ``.txt`` file (documents separated by blank lines), a local ``.jsonl`` file (a
+``"text"`` field per line, or conversations with a chat template), or
+``hf:NAME[:CONFIG][@SPLIT]`` through ``datasets.load_dataset`` (offline-friendly: local
+dataset folders and cached datasets work without a network).
 """
 
 from __future__ import annotations
 
-import gzip
-import json
+import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from itertools import chain
+from typing import Any
 
 import torch
 
+from calibrate.sources import BUNDLED_TEXTS, DATA_DIR, TextSource, documents
 from compress.errors import LayercutError
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
-BUNDLED_TEXTS = {name: f"{name}.txt.gz"
-                 for name in ("brown-calib", "brown-heldout", "brown-val", "brown-test")}
+__all__ = ["BUNDLED_TEXTS", "DATA_DIR", "EVAL_TEXTS", "CalibSet", "TextSource", "as_sources", "allocate",
+           "calibration_batch", "load_texts", "token_stream"]
+
 # Text no calibration or healing run may train on: the held-out files and their two halves.
 EVAL_TEXTS = ("bundled:brown-heldout", "bundled:brown-val", "bundled:brown-test")
+# What every function here accepts as "the text": a source string or path, one TextSource, or a mix.
+Sources = str | os.PathLike | TextSource | Sequence[str | TextSource]
 
 
 @dataclass
@@ -57,74 +65,54 @@ class CalibSet:
         ]
 
 
-def _read_text_file(path: Path) -> str:
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise LayercutError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+def as_sources(source: Sources) -> list[TextSource]:
+    """Any accepted form of "the text" as a list of :class:`TextSource`."""
+    if isinstance(source, TextSource):
+        return [source]
+    if isinstance(source, (str, os.PathLike)):
+        return [TextSource(source=str(source))]
+    items = [s if isinstance(s, TextSource) else TextSource(source=str(s)) for s in source]
+    if not items:
+        raise LayercutError("no text source given (an empty list)")
+    return items
 
 
-def _split_documents(text: str) -> list[str]:
-    return [d.strip() for d in text.replace("\r\n", "\n").split("\n\n") if d.strip()]
+def _documents(src: TextSource, tokenizer: Any) -> Iterable[str]:
+    """``src``'s documents; a one-line error if there are none."""
+    docs = documents(src, tokenizer)
+    first = next(docs, None)
+    if first is None:
+        raise LayercutError(f"text source '{src.source}' is empty")
+    return chain([first], docs)
 
 
-def load_texts(source: str | Path) -> list[str]:
-    """Documents of a text source, in order. Raises :class:`LayercutError` if empty/unreadable."""
-    text = str(source)
-    if text.startswith("bundled:"):
-        name = text.split(":", 1)[1]
-        if name not in BUNDLED_TEXTS:
-            raise LayercutError(
-                f"unknown bundled text '{text}' (known: {', '.join('bundled:' + k for k in BUNDLED_TEXTS)})"
-            )
-        docs = _split_documents(_read_text_file(DATA_DIR / BUNDLED_TEXTS[name]))
-    elif text.startswith("hf:"):
-        docs = _load_hf_dataset(text[3:])
-    else:
-        path = Path(text).expanduser()
-        if not path.is_file():
-            raise LayercutError(f"text source not found: {path}")
-        if path.name.endswith((".jsonl", ".jsonl.gz")):
-            docs = _load_jsonl(path)
-        else:
-            docs = _split_documents(_read_text_file(path))
-    if not docs:
-        raise LayercutError(f"text source '{text}' is empty")
-    return docs
+def load_texts(source: str | os.PathLike | TextSource, tokenizer: Any = None) -> list[str]:
+    """Documents of a text source, in order. Raises :class:`LayercutError` if empty/unreadable.
+
+    ``tokenizer`` is needed only to render conversations (a source with ``chat_template``).
+    """
+    srcs = as_sources(source)
+    if len(srcs) != 1:
+        raise LayercutError("load_texts reads one source; calibration_batch mixes several")
+    return list(_documents(srcs[0], tokenizer))
 
 
-def _load_jsonl(path: Path) -> list[str]:
-    docs = []
-    for lineno, line in enumerate(_read_text_file(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise LayercutError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from exc
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise LayercutError(f"{path}:{lineno}: each line needs a string 'text' field")
-        if record["text"].strip():
-            docs.append(record["text"].strip())
-    return docs
+def allocate(weights: Sequence[float], samples: int) -> list[int]:
+    """``samples`` split in proportion to ``weights`` (largest remainder; ties to the earlier source).
+
+    >>> allocate([0.7, 0.3], 10), allocate([1, 1, 1], 4)
+    ([7, 3], [2, 1, 1])
+    """
+    total = float(sum(weights))
+    exact = [w * samples / total for w in weights]
+    counts = [int(x) for x in exact]
+    rest = samples - sum(counts)
+    for i in sorted(range(len(exact)), key=lambda i: (counts[i] - exact[i], i))[:rest]:
+        counts[i] += 1
+    return counts
 
 
-def _load_hf_dataset(spec: str) -> list[str]:
-    import datasets
-
-    name, _, split = spec.partition("@")
-    name, _, config = name.partition(":")
-    try:
-        ds = datasets.load_dataset(name, config or None, split=split or "train")
-    except Exception as exc:  # datasets raises many types; report one line
-        raise LayercutError(f"cannot load dataset '{spec}': {str(exc).splitlines()[0]}") from exc
-    if "text" not in ds.column_names:
-        raise LayercutError(f"dataset '{spec}' has no 'text' column (columns: {ds.column_names})")
-    return [t for t in ds["text"] if isinstance(t, str) and t.strip()]
-
-
-def token_stream(tokenizer, docs: list[str], max_tokens: int | None = None) -> torch.Tensor:
+def token_stream(tokenizer, docs: Iterable[str], max_tokens: int | None = None) -> torch.Tensor:
     """Concatenate documents into one token stream, EOS-separated when the tokenizer has one.
 
     Stops once ``max_tokens`` are collected (documents are tokenized lazily).
@@ -148,11 +136,11 @@ def token_stream(tokenizer, docs: list[str], max_tokens: int | None = None) -> t
 
 def calibration_batch(
     tokenizer,
-    source: str | Path,
+    source: Sources,
     samples: int = 128,
     seq_len: int = 512,
     seed: int = 0,
-    offset: int = 0,
+    offset: int | Sequence[int] = 0,
 ) -> CalibSet:
     """Sample ``samples`` windows of ``seq_len`` tokens deterministically from ``seed``.
 
@@ -160,10 +148,33 @@ def calibration_batch(
     positions (``torch.Generator`` seeded with ``seed``). ``offset`` shifts every start,
     so e.g. healing data does not reuse the exact calibration sequences. A source
     shorter than one window yields a right-padded batch whose mask marks the padding.
+
+    Several sources (a list): each gets a share of the windows proportional to its
+    weight (:func:`allocate`), drawn from its own stream as above with the same seed
+    (``offset``: one int for all, or one per source); the rows are then shuffled with
+    ``seed``, so any first rows mix the sources. One source draws exactly as it always has.
     """
     if samples < 1 or seq_len < 2:
         raise LayercutError(f"need samples >= 1 and seq_len >= 2 (got {samples}, {seq_len})")
-    docs = load_texts(source)
+    srcs = as_sources(source)
+    offsets = [offset] * len(srcs) if isinstance(offset, int) else list(offset)
+    if len(offsets) != len(srcs):
+        raise LayercutError(f"{len(offsets)} offsets for {len(srcs)} text sources")
+    if len(srcs) == 1:
+        return _windows(tokenizer, _documents(srcs[0], tokenizer), samples, seq_len, seed, offsets[0])
+    parts = []
+    for src, count, off in zip(srcs, allocate([s.weight for s in srcs], samples), offsets):
+        docs = _documents(src, tokenizer)  # every source is checked, even one whose share rounds to 0
+        if count:
+            parts.append(_windows(tokenizer, docs, count, seq_len, seed, off))
+    order = torch.randperm(samples, generator=torch.Generator().manual_seed(seed))
+    ids = torch.cat([p.input_ids for p in parts])[order]
+    mask = torch.cat([p.attention_mask for p in parts])[order]
+    return CalibSet(ids, mask)
+
+
+def _windows(tokenizer, docs: Iterable[str], samples: int, seq_len: int, seed: int, offset: int) -> CalibSet:
+    """``samples`` windows from one source's documents (see :func:`calibration_batch`)."""
     budget = (samples + 1) * seq_len * 4 + offset + seq_len  # enough to draw from, not the whole corpus
     stream = token_stream(tokenizer, docs, max_tokens=max(budget, 1 << 16))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)

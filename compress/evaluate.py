@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from calibrate import DEFAULT_EVAL_TEXT
 from calibrate.data import load_texts
+from calibrate.sources import TextSource
 from compress.errors import LayercutError
 from compress.models import load_model, resolve_model, weight_bytes
 
@@ -50,15 +51,21 @@ class EvalResult:
         return asdict(self)
 
 
-def eval_tokens(tokenizer, text: str, max_tokens: int) -> torch.Tensor:
-    """The first ``max_tokens`` tokens of a text source (documents joined by blank lines)."""
+def text_name(text: str | TextSource) -> str:
+    """How a report names the evaluation text: the source string."""
+    return text if isinstance(text, str) else str(text.source)
+
+
+def eval_tokens(tokenizer, text: str | TextSource, max_tokens: int) -> torch.Tensor:
+    """The first ``max_tokens`` tokens of a text source (documents joined by blank lines); a
+    :class:`~calibrate.sources.TextSource` brings its field / chat-template options."""
     pieces: list[int] = []
-    for doc in load_texts(text):
+    for doc in load_texts(text, tokenizer):
         pieces.extend(tokenizer(doc + "\n\n", add_special_tokens=False)["input_ids"])
         if len(pieces) >= max_tokens:
             break
     if len(pieces) < 2:
-        raise LayercutError(f"text '{text}' has fewer than 2 tokens")
+        raise LayercutError(f"text '{text_name(text)}' has fewer than 2 tokens")
     return torch.tensor(pieces[:max_tokens], dtype=torch.long)
 
 
@@ -95,7 +102,7 @@ def _window_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
 def evaluate(
     model,
     tokenizer,
-    text: str = DEFAULT_EVAL_TEXT,
+    text: str | TextSource = DEFAULT_EVAL_TEXT,
     ctx: int = 512,
     max_tokens: int = 16384,
     reference=None,
@@ -139,7 +146,7 @@ def evaluate(
         tokens_per_s=scored / seconds if seconds > 0 else float("nan"),
         kl=kl_sum / scored if reference is not None else None,
         reference_ppl=math.exp(ref_nll_sum / scored) if reference is not None else None,
-        text=text,
+        text=text_name(text),
     )
 
 
@@ -152,7 +159,7 @@ def _same_length(group: list[tuple[torch.Tensor, int]]) -> list[list[tuple[torch
 
 def evaluate_path(
     model_spec: str,
-    text: str = DEFAULT_EVAL_TEXT,
+    text: str | TextSource = DEFAULT_EVAL_TEXT,
     ctx: int = 512,
     max_tokens: int = 16384,
     reference: str | None = None,

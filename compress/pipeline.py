@@ -370,6 +370,9 @@ def headline(stage: str, report: dict) -> str:
         if m.get("kl") is not None:
             text += f", KL {m['kl']:.4f}"
         text += f", {m['tokens_per_s']:.0f} tok/s"
+        for task, t in (report.get("tasks") or {}).items():
+            if "acc" in t.get("metrics", {}):
+                text += f", {task} acc {t['metrics']['acc']:.3f}"
         if report.get("gates"):
             text += ", gates " + ("passed" if report["gates_passed"] else "FAILED: " + ", ".join(report["failed_gates"]))
         return text

@@ -33,8 +33,9 @@ from tqdm.auto import tqdm
 
 from calibrate import DEFAULT_EVAL_TEXT
 from calibrate.capture import run_blocks
+from calibrate.sources import TextSource
 from compress.errors import LayercutError
-from compress.evaluate import EvalResult, _same_length, eval_tokens, make_windows
+from compress.evaluate import EvalResult, _same_length, eval_tokens, make_windows, text_name
 from compress.lazy import LazyModel
 from compress.models import load_tokenizer, resolve_model, weight_bytes
 
@@ -89,7 +90,7 @@ def head_logprobs(lazy: LazyModel, h_last: torch.Tensor) -> torch.Tensor:
 def evaluate_lazy(
     lazy: LazyModel,
     tokenizer,
-    text: str = DEFAULT_EVAL_TEXT,
+    text: str | TextSource = DEFAULT_EVAL_TEXT,
     ctx: int = 512,
     max_tokens: int = 16384,
     reference: LazyModel | None = None,
@@ -136,7 +137,7 @@ def evaluate_lazy(
         ppl=math.exp(nll), nll=nll, tokens=scored, windows=len(windows), ctx=ctx, params=lazy.num_params,
         bytes=0, seconds=seconds, tokens_per_s=scored / seconds if seconds > 0 else float("nan"),
         kl=kl_sum / scored if reference is not None else None,
-        reference_ppl=math.exp(ref_nll_sum / scored) if reference is not None else None, text=text,
+        reference_ppl=math.exp(ref_nll_sum / scored) if reference is not None else None, text=text_name(text),
     )
     return result, ref_seconds
 
@@ -148,7 +149,7 @@ def _release_embedding(lazy: LazyModel) -> None:
 
 def evaluate_streamed(
     model_spec: str,
-    text: str = DEFAULT_EVAL_TEXT,
+    text: str | TextSource = DEFAULT_EVAL_TEXT,
     ctx: int = 512,
     max_tokens: int = 16384,
     reference: str | None = None,

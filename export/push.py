@@ -9,7 +9,9 @@ Usage::
     push("runs/demo/05-export/model", "my-org/smollm2-demo", dry_run=True)
 
 Uses ``huggingface_hub`` only (``create_repo``, ``create_branch`` for a non-default
-revision, ``upload_folder`` restricted to exactly the listed files). The token comes from
+revision, one ``create_commit`` of exactly the listed files). A layercut model card is
+uploaded with its usage snippet loading the repo id (and revision) instead of the local
+folder (:func:`pushed_card`); the local README.md is left as it is. The token comes from
 the standard places (``HF_TOKEN``, the token file written by ``hf auth login``, ...) via
 ``huggingface_hub.get_token``; layercut never prints, logs or writes it, and scrubs it from
 any error message it reports. ``HF_ENDPOINT`` selects another Hub (used by the tests).
@@ -17,7 +19,6 @@ any error message it reports. ``HF_ENDPOINT`` selects another Hub (used by the t
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -98,6 +99,19 @@ def upload_list(folder: Path) -> list[str]:
     return files
 
 
+def pushed_card(folder: Path, repo_id: str, revision: str | None = None) -> bytes | None:
+    """README.md as uploaded, if it differs from the local one: a layercut card (one marked usage
+    block) gets the snippet for the folder's checkpoint kind, loading ``repo_id``; else None."""
+    from export.card_usage import folder_kind, set_usage
+
+    readme = folder / "README.md"
+    if not readme.is_file():
+        return None
+    local = readme.read_text(encoding="utf-8", errors="replace")
+    text = set_usage(local, folder_kind(folder) or "dense", repo_id, None if revision in (None, "main") else revision)
+    return None if text is None or text == local else text.encode()
+
+
 def _scrub(text: str, token: str | None) -> str:
     line = (text or "").strip().splitlines()[0] if (text or "").strip() else "unknown error"
     return line.replace(token, "***") if token else line
@@ -118,12 +132,16 @@ def push(
     path = resolve_folder(folder)
     files = upload_list(path)
     size = sum((path / f).stat().st_size for f in files)
+    card = pushed_card(path, repo_id, revision) if "README.md" in files else None
     plan = PushPlan(str(path), repo_id, revision, private, files, size, dry_run=dry_run)
+    if card is not None:
+        plan.bytes += len(card) - (path / "README.md").stat().st_size
+        plan.extra["card"] = f"README.md: usage snippet set to load {repo_id}"
     if dry_run:
         return plan
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         raise LayercutError("HF_HUB_OFFLINE is set: unset it to push (or use --dry-run)")
-    from huggingface_hub import HfApi, get_token
+    from huggingface_hub import CommitOperationAdd, HfApi, get_token
 
     token = get_token()
     if not token:
@@ -133,10 +151,10 @@ def push(
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         if revision not in (None, "main"):
             api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
-        info = api.upload_folder(
-            repo_id=repo_id, folder_path=str(path), revision=revision, repo_type="model",
-            commit_message=commit_message, allow_patterns=[glob.escape(f) for f in files],
-        )
+        operations = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=card if f == "README.md" and card
+                                         else str(path / f)) for f in files]
+        info = api.create_commit(repo_id=repo_id, operations=operations, commit_message=commit_message,
+                                 revision=revision, repo_type="model")
     except LayercutError:
         raise
     except Exception as exc:  # huggingface_hub raises HTTP, validation and OS errors

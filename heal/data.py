@@ -7,11 +7,12 @@ Usage::
     cache = build_topk_cache(teacher, data, k=64)             # teacher runs once, then can go
     ds = HealDataset(data, total=cfg.steps * cfg.batch, seed=cfg.seed, cache=cache)
 
-Windows come from :func:`calibrate.data.calibration_batch` with the run's seed and an
-offset (``HealConfig.offset``: 300,000 tokens into the bundled Brown calibration stream,
-past everything a default calibration draw reads), with BOS prepended like the eval
-protocol does. The evaluation texts (``bundled:brown-heldout`` and its halves
-``bundled:brown-val`` / ``bundled:brown-test``) are refused.
+Windows come from :func:`calibrate.data.calibration_batch` (one source, or several mixed
+by weight) with the run's seed and an offset per source (``HealConfig.source_offsets``:
+300,000 tokens into the bundled Brown calibration stream, past everything a default
+calibration draw reads; 0 elsewhere), with BOS prepended like the eval protocol does.
+The evaluation texts (``bundled:brown-heldout`` and its halves ``bundled:brown-val`` /
+``bundled:brown-test``) are refused, also as one entry of a mix.
 """
 
 from __future__ import annotations
@@ -29,16 +30,22 @@ from heal.losses import teacher_topk
 
 
 def heal_data(tokenizer, cfg: HealConfig) -> CalibSet:
-    """``cfg.num_samples`` windows of ``cfg.seq_len`` tokens ([BOS] + text when there is a BOS)."""
-    if cfg.data.strip() in EVAL_TEXTS:
-        raise LayercutError(f"{cfg.data.strip()} is evaluation text ({', '.join(EVAL_TEXTS)}); heal on other data "
-                            "(default bundled:brown-calib)")
+    """``cfg.num_samples`` windows of ``cfg.seq_len`` tokens ([BOS] + text when there is a BOS).
+
+    ``cfg.data`` may mix several sources by weight (:func:`calibrate.data.calibration_batch`);
+    each starts at its own offset (:meth:`HealConfig.source_offsets`).
+    """
+    sources = cfg.text_sources()
+    for src in sources:
+        if src.source.strip() in EVAL_TEXTS:
+            raise LayercutError(f"{src.source.strip()} is evaluation text ({', '.join(EVAL_TEXTS)}); heal on other "
+                                "data (default bundled:brown-calib)")
     bos = tokenizer.bos_token_id
     body = cfg.seq_len - 1 if bos is not None else cfg.seq_len
-    calib = calibration_batch(tokenizer, cfg.data, samples=cfg.num_samples, seq_len=body,
-                              seed=cfg.seed, offset=cfg.offset)
+    calib = calibration_batch(tokenizer, sources, samples=cfg.num_samples, seq_len=body,
+                              seed=cfg.seed, offset=cfg.source_offsets())
     if int(calib.attention_mask.sum()) < 2:
-        raise LayercutError(f"heal data '{cfg.data}' is empty after tokenization")
+        raise LayercutError(f"heal data '{cfg.text_label()}' is empty after tokenization")
     if bos is None:
         return calib
     n = calib.num_samples

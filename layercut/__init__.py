@@ -93,7 +93,7 @@ def score(model, tokenizer, config: ScoreConfig | None = None, progress: bool = 
     span, drop = cfg.span or cfg.drop or 1, cfg.drop or cfg.span
     calib = None
     if any(m in DATA_METHODS or m == "swap-kl" for m in methods):
-        calib = calibration_batch(tokenizer, cfg.calib, samples=cfg.samples, seq_len=cfg.seq_len, seed=0)
+        calib = calibration_batch(tokenizer, cfg.text_sources(), samples=cfg.samples, seq_len=cfg.seq_len, seed=0)
     scores = compute_scores(model, calib, span=span, methods=methods, batch_size=cfg.batch_size, progress=progress)
     return {"num_layers": layers, "methods": methods, "span": span, "drop": drop,
             "selection": selections(scores, methods, drop) if drop else {}, "ranking": rankings(scores),
@@ -131,13 +131,25 @@ def heal(model, tokenizer, teacher=None, config: HealConfig | None = None, progr
 
 def evaluate(model, tokenizer, reference=None, config: EvalConfig | None = None, progress: bool = False,
              **options) -> dict:
-    """Perplexity (and KL to an in-memory ``reference``) on held-out text; returns the figures."""
+    """Perplexity (and KL to an in-memory ``reference``) on held-out text, and lm-eval ``tasks`` if
+    given (report keys ``tasks`` and ``lm_eval_version``); returns the figures."""
     from compress.evaluate import evaluate as evaluate_model
 
     cfg = _config(EvalConfig, config, {"reference": None, **options})
-    result = evaluate_model(model, tokenizer, text=cfg.text, ctx=cfg.ctx, max_tokens=cfg.max_tokens,
+    tasks = None
+    if cfg.tasks:  # checked (and their data loaded) before any model work
+        from compress.lmeval import load_tasks
+
+        tasks = load_tasks(cfg.tasks, cfg.include_path)
+    result = evaluate_model(model, tokenizer, text=cfg.text_sources()[0], ctx=cfg.ctx, max_tokens=cfg.max_tokens,
                             reference=reference, batch_size=cfg.batch_size, progress=progress)
-    return result.to_dict()
+    figures = result.to_dict()
+    if tasks is not None:
+        from compress.lmeval import run_tasks
+
+        figures.update(run_tasks(model, tokenizer, tasks, limit=cfg.limit, num_fewshot=cfg.num_fewshot,
+                                 batch_size=cfg.batch_size, progress=progress))
+    return figures
 
 
 def export(model, tokenizer, output: str | os.PathLike, config: ExportConfig | None = None, overwrite: bool = False,

@@ -42,7 +42,7 @@ def import_extra(name: str):
     """Import a module from an optional extra; skip without it locally, but fail under CI.
 
     Under CI (``CI=true``: GitHub Actions and GitLab set it, ``.ci/run`` exports it) the
-    ``.[gptq,dev]`` extras are installed, so a missing module there is a broken install, not a
+    ``.[gptq,dev,eval]`` extras are installed, so a missing module there is a broken install, not a
     reason to skip: e.g. the bit-exactness test that keeps the ``gptqmodel`` entry in
     ``meta.quantizer`` honest must run.
     """

@@ -129,3 +129,17 @@ def test_bad_sources(tmp_path):
     bad.write_text('{"text": 1}\n')
     with pytest.raises(LayercutError, match="string 'text' field"):
         load_texts(bad)
+
+
+def test_calibration_windows_are_pinned(tiny_tokenizer):
+    """The windows of a string source, pinned: computed before sources could be mixed, by weight or
+    with chat templates. Benchmarks compare runs across versions on these exact token batches."""
+    batch = calibration_batch(tiny_tokenizer, "bundled:brown-calib", samples=2, seq_len=16, seed=0)
+    assert batch.input_ids.tolist() == [
+        [278, 284, 79, 277, 339, 298, 281, 335, 81, 273, 291, 224, 5, 80, 72, 326],
+        [85, 288, 86, 273, 264, 284, 88, 69, 79, 294, 359, 263, 264, 306, 290, 87],
+    ]
+    assert batch.attention_mask.all()
+    shifted = calibration_batch(tiny_tokenizer, "bundled:brown-calib", samples=3, seq_len=8, seed=5, offset=300)
+    assert shifted.input_ids.tolist() == [[71, 86, 5, 15, 264, 224, 77, 331], [315, 329, 375, 309, 69, 331, 81, 224],
+                                          [319, 285, 224, 369, 340, 272, 273, 224]]

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 
 from compress.cli import main
 from export.export import INDEX, check_pt_metadata
@@ -69,6 +70,8 @@ def test_dequantize_matches_the_quantized_model(quantized, tmp_path, capsys):
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and not (out / "quantize_config.json").exists()
     assert "dequantized to dense" in (out / "README.md").read_text()
+    use = ModelCard.load(out / "README.md").text.split("## Use")[1]  # dense now: stock transformers loads it
+    assert "AutoModelForCausalLM.from_pretrained(" in use and "gptqmodel" not in use.lower()
     dense = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     qmodel, _ = load_model(quantized)
     ids = torch.randint(4, 300, (2, 16))
@@ -84,3 +87,16 @@ def test_quantized_export_copies_bytes(quantized, tmp_path):
     with pytest.raises(Exception, match="keeps its packing"):
         export_checkpoint(quantized, tmp_path / "bad", save_dtype="fp16")
     assert not (tmp_path / "bad").exists()
+
+
+def test_card_of_an_exported_gptq_checkpoint_loads_it_with_transformers(quantized, tmp_path):
+    """One bit width everywhere: the card's snippet is stock transformers (through optimum + gptqmodel)."""
+    from export.card_usage import folder_kind
+
+    out = tmp_path / "q"
+    assert main(["export", str(quantized), "-o", str(out)]) == 0
+    assert folder_kind(out) == "gptq"
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "transformers" and "base_model" not in card.data.to_dict()  # a bare path
+    use = card.text.split("## Use")[1]
+    assert "AutoModelForCausalLM.from_pretrained(" in use and "optimum" in use and "GPTQModel.load" not in use

@@ -255,3 +255,30 @@ def test_group_aware_is_act_order_for_one_group_and_natural_when_already_sorted(
     Hs = H[order][:, order]
     Ws = W[:, order]
     assert torch.equal(gptq_quantize(Ws, Hs, 4, 32, group_aware=True).q, gptq_quantize(Ws, Hs, 4, 32).q)
+
+
+@pytest.mark.parametrize("order", [{}, {"act_order": True, "static_groups": True}, {"group_aware": True}])
+def test_overwrite_h_solves_in_place_with_identical_results(order):
+    """The memory-saving path (H's storage is the scratch space) gives the same bits as the copying one."""
+    W, _, H = _layer(11)
+    assert H.dtype == torch.float64
+    kept = H.clone()
+    ref = gptq_quantize(W, H, 4, 32, **order)
+    assert torch.equal(H, kept)  # without overwrite_h the caller's H is untouched
+    res = gptq_quantize(W, H, 4, 32, overwrite_h=True, **order)
+    assert not torch.equal(H, kept)  # H itself was the scratch space: no copy was made
+    for a, b in [(ref.q, res.q), (ref.scales, res.scales), (ref.zeros, res.zeros), (ref.g_idx, res.g_idx)]:
+        assert torch.equal(a, b)
+    assert ref.loss == res.loss and ref.damp_used == res.damp_used
+
+
+def test_solve_group_overwrite_keeps_the_undamped_losses():
+    from compress.quant.stage import QuantConfig, solve_group
+
+    W, _, H = _layer(12)
+    cfg = QuantConfig(bits=4, group_size=32)
+    ref = solve_group([W[:20], W[20:]], H, 4, cfg)
+    res = solve_group([W[:20], W[20:]], H.clone(), 4, cfg, overwrite_h=True)
+    assert [r.loss for r in ref] == [r.loss for r in res]
+    assert all(torch.equal(a.q, b.q) for a, b in zip(ref, res))
+    assert ref[0].loss == pytest.approx(layer_loss(W[:20], ref[0].dequant, H), rel=1e-4)

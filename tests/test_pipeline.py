@@ -39,7 +39,9 @@ def tiny_recipe(model_dir: Path, **eval_opts) -> Recipe:
 def final_files(run_dir: Path) -> dict[str, bytes]:
     report = json.loads((run_dir / "report.json").read_text())
     folder = run_dir / report["final_model"]
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    files["README.md"] = files["README.md"].replace(str(folder.resolve()).encode(), b"FOLDER")  # the card loads it
+    return files
 
 
 def assert_identical(a: dict[str, bytes], b: dict[str, bytes]) -> None:
@@ -235,6 +237,8 @@ def test_card_front_matter_and_tables(tmp_path):
         {"stage": "eval", "dir": "04-eval", "report": ev}]}
     text = render_card(card_facts(report, source), ["prune_scores.png"])
     meta = yaml.safe_load(text.split("---")[1])
+    assert meta.pop("model-index")[0]["results"][0]["metrics"][0] == {
+        "type": "perplexity", "value": 12.5, "name": "perplexity", "args": {"context": 512, "scored_tokens": 4096}}
     assert meta == {"base_model": "Org/Base-1B", "base_model_relation": "quantized", "library_name": "transformers",
                     "pipeline_tag": "text-generation", "license": "apache-2.0",
                     "tags": ["layercut", "compressed", "pruned", "depth-pruning", "gptq", "mixed-precision"]}

@@ -361,3 +361,31 @@ def test_dry_run_of_a_run_directory_pushes_its_final_model(exported, tmp_path, c
     plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert plan["folder"] == str(run / "03-export" / "model")
     assert plan["files"] == sorted(p.name for p in exported.iterdir() if not p.name.startswith("."))
+
+
+def test_pushed_card_loads_the_repo_id_not_the_local_folder(hub, tmp_path, tiny_model_dir):
+    """A layercut card's usage snippet names the local folder; what the Hub receives names the repo."""
+    from export.card import write_card
+
+    folder = tmp_path / "release"
+    export_checkpoint(tiny_model_dir("llama"), folder)
+    report = {"layercut_run": 1, "model": "tiny", "stages": [{"stage": "prune", "dir": "01-prune", "report": {}}]}
+    local = write_card(folder, report, tiny_model_dir("llama")).read_text()
+    assert f'from_pretrained("{folder.resolve()}")' in local
+    env = _env(tmp_path, HF_ENDPOINT=f"http://127.0.0.1:{hub.server_address[1]}", HF_TOKEN=TOKEN, HF_HUB_OFFLINE="0")
+    dry = _cli(["push", str(folder), "--repo-id", "org/tiny", "--revision", "v1", "--dry-run", "--json"], env, tmp_path)
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout.strip().splitlines()[-1])["card"] == "README.md: usage snippet set to load org/tiny"
+    res = _cli(["push", str(folder), "--repo-id", "org/tiny", "--revision", "v1", "--json"], env, tmp_path)
+    assert res.returncode == 0, res.stderr
+
+    commit = next(r for r in hub.records if "/commit/" in r["path"])
+    pushed = commit["commit_files"]["README.md"].decode()
+    validated = next(r for r in hub.records if r["path"] == "/api/validate-yaml")
+    assert validated["json"]["content"] == pushed  # the Hub validates the card it stores
+    assert 'from_pretrained("org/tiny", revision="v1")' in pushed and str(folder.resolve()) not in pushed
+    assert pushed.replace('"org/tiny", revision="v1"', json.dumps(str(folder.resolve()))) == local  # nothing else
+    assert (folder / "README.md").read_text() == local  # the local card is left as it was
+    for name, content in commit["commit_files"].items():
+        if name != "README.md":
+            assert content == (folder / name).read_bytes(), name

@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> dict:
         verb = "would upload" if plan.dry_run else "uploaded"
         print(f"{verb} {len(plan.files)} files ({plan.bytes / 2**20:.1f} MiB) from {plan.folder} "
               f"to {plan.repo_id}{'@' + plan.revision if plan.revision else ''}", file=sys.stderr)
+        if plan.extra.get("card"):
+            print(plan.extra["card"], file=sys.stderr)
         for name in plan.files:
             print(name)
         return {"repo_id": plan.repo_id, "files": len(plan.files), "bytes": plan.bytes, "dry_run": plan.dry_run,

@@ -70,6 +70,8 @@ def present_eval(report: dict) -> dict:
     flat = {**report["model"]}
     if report.get("baseline") is not None:
         flat["baseline"] = report["baseline"]
+    if report.get("tasks") is not None:
+        flat.update(tasks=report["tasks"], lm_eval_version=report["lm_eval_version"])
     if report["gates"]:
         flat.update(gates=report["gates"], gates_passed=report["gates_passed"], failed_gates=report["failed_gates"])
     failed = [Gate(**g) for g in report["gates"] if not g["passed"]]

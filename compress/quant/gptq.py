@@ -149,24 +149,34 @@ def _inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor, float]:
     """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp·mean(diag H), H float64 [in, in].
 
     If a factorisation fails, damp is multiplied by 10 (``_DAMP_TRIES`` tries in all).
+    ``H`` is the scratch space and is returned as the factor: the damped diagonal is written
+    in place, the inverse goes into H's storage and is factored there, so two [in, in]
+    float64 matrices are alive at most, H and L (at in = 28,672, a 70B down_proj, each is
+    6.6 GB). The values are bit for bit those of the same calls on fresh copies. If the
+    inverse fails to factor after the first factorisation succeeded (possible only for a
+    near-singular H), the undamped try (damp 0) retries from a backup copy; a damped try
+    raises, asking for more damping.
     """
-    mean_diag = H.diagonal().mean()
+    mean_diag = H.diagonal().mean()  # on the strided view, as it always was (the sum order matters)
+    diag0 = H.diagonal().clone()
     tries = [damp * 10**k for k in range(_DAMP_TRIES)] if damp > 0 else [0.0, 1e-4, 1e-3, 1e-2, 1e-1]
+    info = torch.zeros((), dtype=torch.int32, device=H.device)
     for d in tries:
-        # H + λI with the diagonal added in place: the same values as H + λ·eye, one [in, in] copy
-        # fewer (at in = 28,672, a 70B down_proj, each float64 copy is 6.6 GB)
-        damped = H.clone()
-        damped.diagonal().add_(d * mean_diag)
-        L, info = torch.linalg.cholesky_ex(damped)
-        del damped
-        if int(info) != 0:
+        H.diagonal().copy_(diag0 + d * mean_diag)
+        L, info_l = torch.linalg.cholesky_ex(H)
+        if int(info_l) != 0:
             continue
-        Hinv = torch.cholesky_inverse(L)
+        backup = H.clone() if d == 0 else None
+        torch.cholesky_inverse(L, out=H)  # H ← (H + λI)⁻¹
         del L
-        U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
-        del Hinv
-        if int(info) == 0 and torch.isfinite(U).all():
-            return U, d
+        torch.linalg.cholesky_ex(H, upper=True, out=(H, info))  # H ← its upper factor U
+        if int(info) == 0 and torch.isfinite(H).all():
+            return H, d
+        if backup is None:
+            raise LayercutError(f"gptq: the inverse of the damped Hessian (damp={d:g}) does not factor "
+                                "numerically; raise --damp")
+        H.copy_(backup)
+        del backup
     raise LayercutError(
         f"gptq: Hessian is not positive definite even with damp={tries[-1]:g} "
         f"(tried {', '.join(f'{t:g}' for t in tries)}); check the calibration inputs"
@@ -187,6 +197,7 @@ def gptq_quantize(
     damp: float = 0.01,
     block_size: int = 128,
     group_aware: bool = False,
+    overwrite_h: bool = False,
 ) -> QuantResult:
     """Quantize ``W`` [out, in] with GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training
     Quantization for Generative Pre-trained Transformers", Algorithm 1).
@@ -212,6 +223,9 @@ def gptq_quantize(
     ``loss`` is Σ (w - q)² / (2 [U]_jj²) over all quantized entries, which equals
     ½ tr(ΔW (H + λI) ΔWᵀ) ≈ mean over tokens of ‖(W - Ŵ) x‖² — the layer's output error.
     Computation is float32, the Hessian inverse float64. Returns a ``QuantResult``.
+
+    ``overwrite_h``: a float64 ``H`` on W's device is used as scratch space instead of
+    being copied (its values are garbage afterwards): one [in, in] float64 copy fewer.
     """
     gs = _check_args(W, bits, group_size)
     out_f, in_f = W.shape
@@ -227,7 +241,9 @@ def gptq_quantize(
     maxq = 2**bits - 1
     n_groups = in_f // gs
     W = W.detach().to(torch.float32).clone()  # [out, in]
-    H = H.detach().to(device=W.device, dtype=torch.float64).clone()  # [in, in]
+    H64 = H.detach().to(device=W.device, dtype=torch.float64)  # [in, in]
+    H = H64.clone() if H64.data_ptr() == H.data_ptr() and not overwrite_h else H64
+    del H64
     dead = H.diagonal() == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
@@ -248,16 +264,19 @@ def gptq_quantize(
         perm = (group_order[:, None] * gs + local[group_order]).reshape(-1)
     if perm is not None:
         W = W[:, perm]
-        H = H[perm][:, perm]
+        H.copy_(H[perm])  # rows, then columns, in place: one [in, in] temporary at a time
+        H.copy_(H[:, perm])
     # group of each column in processing order
     orig_col = perm if perm is not None else torch.arange(in_f, device=W.device)
     col_group = (orig_col // gs) if static_groups else torch.arange(in_f, device=W.device) // gs
     col_group_list = col_group.tolist()
 
-    Hinv64, damp_used = _inverse_cholesky(H, damp)
+    U, damp_used = _inverse_cholesky(H, damp)  # U is H's storage
     del H
-    Hinv = Hinv64.to(torch.float32)  # [in, in] upper triangular
-    del Hinv64
+    # [in, in] upper triangular, column-major: the layout cholesky_ex(upper=True) returns on a fresh
+    # tensor, which the matmuls below were always run with (another layout changes their rounding)
+    Hinv = torch.empty_strided(U.shape, (1, U.shape[0]), dtype=torch.float32, device=U.device).copy_(U)
+    del U
 
     Q = torch.zeros_like(W)  # integer codes as float, processing order
     loss = torch.zeros((), dtype=torch.float64, device=W.device)

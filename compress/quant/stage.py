@@ -209,10 +209,12 @@ def solver_threads(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(n)
 
 
-def solve(W: Tensor, H: Tensor | None, bits: int, cfg: QuantConfig) -> QuantResult:
-    """Quantize one weight W [out, in] with ``cfg.method`` (H [in, in] may be None for RTN)."""
+def solve(W: Tensor, H: Tensor | None, bits: int, cfg: QuantConfig, overwrite_h: bool = False) -> QuantResult:
+    """Quantize one weight W [out, in] with ``cfg.method`` (H [in, in] may be None for RTN).
+
+    ``overwrite_h``: GPTQ may use a float64 H as scratch (garbage afterwards; one copy fewer)."""
     with solver_threads(W.device):
-        return _solve(W, H, bits, cfg)
+        return _solve(W, H, bits, cfg, overwrite_h)
 
 
 def output_loss(W: Tensor, W_hat: Tensor, H: Tensor) -> float:
@@ -221,15 +223,23 @@ def output_loss(W: Tensor, W_hat: Tensor, H: Tensor) -> float:
     return float(((D @ H.to(device=D.device, dtype=torch.float32)) * D).sum() / 2)
 
 
-def solve_group(Ws: list[Tensor], H: Tensor | None, bits: int, cfg: QuantConfig) -> list[QuantResult]:
+def solve_group(Ws: list[Tensor], H: Tensor | None, bits: int, cfg: QuantConfig,
+                overwrite_h: bool = False) -> list[QuantResult]:
     """Quantize linears that share one input (hence one H) in a single call.
 
     GPTQ treats the rows of W independently given H (Frantar et al. 2022, §3: the
     Hessian is the same for every row), so stacking q/k/v (or gate/up) along ``out``
     is the same computation as one call per linear, but inverts H once and runs the
     column loop once. ``loss`` of each part is its undamped ½ tr(ΔW H ΔWᵀ) (NaN for RTN).
+    ``overwrite_h``: the caller is done with H; GPTQ solves in its storage and the losses use
+    a float32 copy taken first (the precision they were always computed in), so the peak
+    holds two float64 [in, in] matrices, not four.
     """
-    res = solve(torch.cat(Ws) if len(Ws) > 1 else Ws[0], H, bits, cfg)
+    H_loss = H.to(device=Ws[0].device, dtype=torch.float32) if H is not None and overwrite_h else H
+    if H_loss is H:
+        overwrite_h = False  # H is itself float32 (or absent): nothing to spare
+    res = solve(torch.cat(Ws) if len(Ws) > 1 else Ws[0], H, bits, cfg, overwrite_h)
+    H = H_loss
     out, r0 = [], 0
     for W in Ws:
         r1 = r0 + W.shape[0]
@@ -243,12 +253,13 @@ def solve_group(Ws: list[Tensor], H: Tensor | None, bits: int, cfg: QuantConfig)
     return out
 
 
-def _solve(W: Tensor, H: Tensor | None, bits: int, cfg: QuantConfig) -> QuantResult:
+def _solve(W: Tensor, H: Tensor | None, bits: int, cfg: QuantConfig, overwrite_h: bool = False) -> QuantResult:
     if cfg.method == "rtn":
         return rtn_quantize(W, bits, cfg.group_size, cfg.sym, H=H)
     return gptq_quantize(
         W, H, bits, cfg.group_size, sym=cfg.sym, act_order=cfg.act_order,
         static_groups=cfg.static_groups, damp=cfg.damp, block_size=cfg.block_size, group_aware=cfg.group_aware,
+        overwrite_h=overwrite_h,
     )
 
 
@@ -365,13 +376,14 @@ def quantize_model(
                 for (name, _), W in zip(items, Ws):
                     check_finite(W, name)
                 t0 = time.perf_counter()
-                parts = solve_group(Ws, H.to(Ws[0].device), bits.get(items[0][0], cfg.bits), cfg)
+                hs.H[g], H = None, H.to(Ws[0].device)  # the solve may overwrite H: nobody else holds it
+                parts = solve_group(Ws, H, bits.get(items[0][0], cfg.bits), cfg, overwrite_h=True)
+                del H
                 result.solve_seconds += time.perf_counter() - t0
                 for (name, module), W, res in zip(items, Ws, parts):
                     set_weight(module, res.dequant, spec.conv1d)
                     result.layers[name] = _record(name, res, W)
-                result.tokens = hs.n[g]
-                hs.H[g] = H = None  # solved: free the Hessian before the next group's solve
+                result.tokens = hs.n[g]  # the Hessian was freed with the solve, before the next group's
         run.invalidate()  # the next block sees this block's quantized outputs
 
     callbacks = [on_block] + ([lambda run: after_block(run, result)] if after_block is not None else [])

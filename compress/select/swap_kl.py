@@ -31,8 +31,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from calibrate import DEFAULT_CALIB_TEXT
 from calibrate.capture import run_blocks
-from calibrate.data import CalibSet, calibration_batch
+from calibrate.data import CalibSet, Sources, calibration_batch
 from compress.arch import arch_for
 from compress.errors import LayercutError
 
@@ -94,7 +95,7 @@ def _restore(old: list[tuple[nn.Module, int]]) -> None:
 def swap_kl_scores(
     model: nn.Module,
     tokenizer_or_calib,
-    source: str = "bundled:brown-calib",
+    source: Sources = DEFAULT_CALIB_TEXT,
     samples: int = 4,
     seq_len: int = 128,
     replacement: bool = True,
@@ -104,7 +105,8 @@ def swap_kl_scores(
 
     ``tokenizer_or_calib``: a :class:`CalibSet` (its first ``samples`` rows, cut to
     ``seq_len`` tokens, are used) or a tokenizer (then ``samples`` × ``seq_len`` tokens are
-    drawn from ``source``).
+    drawn from ``source``: any text :func:`calibrate.data.calibration_batch` takes, e.g. a
+    ``ScoreConfig``'s ``text_sources()``).
     Returns ``{"pairs": [[i, i+1], ...], "interchange": [...], "replacement": [...] | None,
     "samples": N, "tokens": T}`` with KLs in nats per token.
     """

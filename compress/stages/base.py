@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from calibrate.sources import FIELD_KEYS, TextSource
 
 # a recipe's eval/heal stage compares with / distils from the recipe's model unless told otherwise
 SOURCE = "source"
@@ -176,6 +178,99 @@ class RunEnv:
         if spec == SOURCE and self.origin_name:
             return self.origin_name
         return str(spec) if spec is not None else str(path)
+
+
+# ---------------------------------------------------------------------------- text options
+# A stage's text (score/prune/quantize: ``calib``, heal: ``data``) is a source string or, in a
+# recipe, a list of TextSource entries (``{source, weight, text_field, messages_field,
+# chat_template}``). The flat options below describe a string source; each stage declares
+# them right after its text field (so --help lists them together) and mixes in TextOptions.
+TextSpec = str | list[TextSource]
+TEXT_SPEC_HELP = ("bundled:NAME, a .txt or .jsonl file, or hf:NAME[:CONFIG][@SPLIT] (e.g. @train[:1000]); "
+                  "in a recipe also a list of {source, weight, text_field, messages_field, chat_template} "
+                  "mixed by weight")
+
+
+def text_field_option() -> Any:
+    return Field(None, min_length=1, description="the text column of an hf: dataset or key of a .jsonl file "
+                                                 "(none: text)", json_schema_extra={"metavar": "FIELD"})
+
+
+def messages_field_option() -> Any:
+    return Field(None, min_length=1, description="the conversations column or .jsonl key, each a list of "
+                                                 "{role, content} (none: messages); needs --chat-template",
+                 json_schema_extra={"metavar": "FIELD"})
+
+
+def chat_template_option() -> Any:
+    return Field(False, description="render each conversation with the tokenizer's chat template")
+
+
+class TextOptions(BaseModel):
+    """Mixin of the stages that read text: checks the text options, and turns them into sources.
+
+    ``text_option`` names the stage's text field; the stage declares it (``TextSpec``) and
+    ``text_field`` / ``messages_field`` / ``chat_template`` (the ``*_option()`` fields above).
+    """
+
+    text_option: ClassVar[str] = "calib"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_entries(cls, data: Any) -> Any:
+        """A recipe's list of mappings (or one mapping) -> TextSource entries, each error naming its entry."""
+        name = cls.text_option
+        if not isinstance(data, dict) or name not in data or isinstance(data[name], str):
+            return data
+        from compress.stages.flags import format_error
+
+        value = data[name]
+        if not isinstance(value, (list, dict, TextSource)):
+            raise ValueError(f"{name}: expected a source string or a list of sources (got {value!r})")
+        items = value if isinstance(value, list) else [value]
+        if not items:
+            raise ValueError(f"{name}: the list of sources is empty")
+        entries = []
+        for i, item in enumerate(items):
+            if not isinstance(item, (str, dict, TextSource)):
+                raise ValueError(f"{name}[{i}]: expected a source string or a mapping with a source key "
+                                 f"(got {item!r})")
+            try:
+                entries.append(item if isinstance(item, TextSource) else TextSource.model_validate(item))
+            except ValidationError as exc:
+                err = exc.errors(include_url=False)[0]
+                if err["type"] == "missing":
+                    raise ValueError(f"{name}[{i}]: missing required key '{err['loc'][-1]}'") from None
+                raise ValueError(f"{name}[{i}]: {format_error(exc)}") from None
+        return {**data, name: entries}
+
+    @model_validator(mode="after")
+    def _text_flags(self) -> Any:
+        self.text_sources()
+        return self
+
+    def text_sources(self) -> list[TextSource]:
+        """The stage's text as sources: the string with the flat options, or the list as given."""
+        value = getattr(self, self.text_option)
+        flat = {k: getattr(self, k) for k in FIELD_KEYS if getattr(self, k) not in (None, False)}
+        if isinstance(value, list):
+            if flat:
+                raise ValueError(f"{', '.join(flat)}: these describe a single {self.text_option} source; in a "
+                                 "list of sources, set them on each entry")
+            return list(value)
+        try:
+            return [TextSource(source=value, **flat)]
+        except ValidationError as exc:
+            from compress.stages.flags import format_error
+
+            raise ValueError(format_error(exc)) from None
+
+    def text_label(self) -> str | dict | list[dict]:
+        """How reports name the text: the plain string as given, else the source(s) with their options."""
+        value, sources = getattr(self, self.text_option), self.text_sources()
+        if isinstance(value, str):
+            return value if sources[0] == TextSource(source=value) else sources[0].model_dump(exclude_defaults=True)
+        return [s.label() for s in sources]
 
 
 def write_json(path: Path, data: dict) -> None:

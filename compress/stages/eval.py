@@ -1,14 +1,17 @@
-"""The eval stage: held-out perplexity, KL to a reference model, size and speed, quality gates.
+"""The eval stage: held-out perplexity, KL to a reference model, size and speed, quality gates;
+optionally lm-eval task evals.
 
 Run it::
 
     layercut eval bundled:smollm2-135m --json
     layercut eval OUT --reference bundled:smollm2-135m --max-ppl-increase 5% --max-kl 0.1
+    layercut eval OUT --tasks brown_cloze --limit 200      # needs the `eval` extra (lm-eval)
 
     from compress.stages.eval import EvalConfig, run
     report = run(EvalConfig(max_tokens=256, reference=None), "bundled:smollm2-135m")
 
-The protocol is :mod:`compress.evaluate`'s. A failed gate is reported
+The protocol is :mod:`compress.evaluate`'s; tasks run through :mod:`compress.lmeval`
+after the perplexity pass, on the whole model in memory. A failed gate is reported
 (``failed_gates``), not raised: the CLI exits with code 3, a recipe run finishes first.
 """
 
@@ -28,26 +31,37 @@ from compress.stages.base import (
     Dtype,
     RunEnv,
     StageConfig,
+    TextOptions,
+    chat_template_option,
+    messages_field_option,
     parse_fraction,
+    text_field_option,
     write_json,
 )
 
 
-class EvalConfig(StageConfig):
+class EvalConfig(StageConfig, TextOptions):
     """Options of ``layercut eval`` and of a recipe's ``eval`` stage."""
 
-    help: ClassVar[str] = "held-out perplexity, KL to a reference model, size and speed, with quality gates"
+    help: ClassVar[str] = ("held-out perplexity, KL to a reference model, size and speed, with quality gates; "
+                           "optionally lm-eval tasks")
     examples: ClassVar[tuple[str, ...]] = (
         "layercut eval bundled:smollm2-135m --max-tokens 4096 --json",
         "layercut eval runs/demo/04-export/model --reference bundled:smollm2-135m --max-kl 0.1",
+        "layercut eval bundled:smollm2-135m --tasks brown_cloze --limit 200",
     )
+
+    text_option: ClassVar[str] = "text"
 
     stage: Literal["eval"] = "eval"
     text: str = Field(DEFAULT_EVAL_TEXT, description="evaluation text: bundled:NAME, a .txt or .jsonl file, "
                                                      "or hf:NAME[:CONFIG][@SPLIT]")
+    text_field: str | None = text_field_option()
+    messages_field: str | None = messages_field_option()
+    chat_template: bool = chat_template_option()
     ctx: int = Field(512, ge=2, description="window length in tokens")
     max_tokens: int = Field(16384, ge=2, description="tokens taken from the start of the text")
-    batch_size: int = Field(4, ge=1, description="windows per forward pass")
+    batch_size: int = Field(4, ge=1, description="windows (or task requests) per forward pass")
     dtype: Dtype = Field("auto", description=STREAM_DTYPE_HELP)
     whole_model: bool = Field(False, description=WHOLE_MODEL_HELP)
     reference: str | None = Field(
@@ -58,6 +72,17 @@ class EvalConfig(StageConfig):
                           "reference's, e.g. 5% or 0.05", json_schema_extra={"metavar": "PCT"})
     max_kl: float | None = Field(None, ge=0, description="quality gate: fail (exit code 3) if the KL to the "
                                                          "reference exceeds this", json_schema_extra={"metavar": "X"})
+    tasks: str | list[str] | None = Field(
+        None, description="lm-eval tasks to run after the perplexity pass, comma-separated (brown_cloze ships "
+                          "with layercut); unlike perplexity and KL, which stream, task evals load the whole "
+                          "model into memory; needs the eval extra: pip install 'layercut[eval]'",
+        json_schema_extra={"metavar": "T1,T2"})
+    limit: int | None = Field(None, ge=1, le=100_000, description="items scored per task; none = all")
+    num_fewshot: int | None = Field(None, ge=0, le=32, description="few-shot examples per task item; "
+                                                                    "none = the task's own setting")
+    include_path: str | None = Field(None, description="a folder of lm-eval task YAML files to search besides "
+                                                       "layercut's own tasks (offline: tasks with local data "
+                                                       "files)", json_schema_extra={"metavar": "DIR"})
 
     @field_validator("reference", mode="before")
     @classmethod
@@ -70,6 +95,23 @@ class EvalConfig(StageConfig):
         if v is not None:
             parse_fraction(v, "max_ppl_increase")
         return v
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_list(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        names = [t.strip() for t in (v.split(",") if isinstance(v, str) else v)]
+        if not names or not all(names):
+            raise ValueError(f"tasks: expected task names like brown_cloze,other, got {v!r}")
+        return list(dict.fromkeys(names))
+
+    @model_validator(mode="after")
+    def _task_options_need_tasks(self) -> EvalConfig:
+        given = [k for k in ("limit", "num_fewshot", "include_path") if getattr(self, k) is not None]
+        if given and not self.tasks:
+            raise ValueError(f"{given[0]} applies to task evals: give tasks too")
+        return self
 
     @model_validator(mode="after")
     def _gates_need_reference(self) -> EvalConfig:
@@ -84,7 +126,9 @@ def run(config: EvalConfig, source: str | Path, output: str | Path | None = None
     """Evaluate ``source`` (and its reference); write the report to ``output`` (a .json file) if given.
 
     Report: ``model`` (figures of ``source``), ``baseline`` (the reference's own figures or
-    None), ``gates``, ``gates_passed``, ``failed_gates``.
+    None), ``gates``, ``gates_passed``, ``failed_gates``; with ``tasks`` also ``tasks``
+    (``{task: {metrics, num_fewshot, limit, samples, dataset, task_version}}``, see
+    :func:`compress.lmeval.run_tasks`) and ``lm_eval_version``.
     """
     from compress.errors import LayercutError
     from compress.evaluate import evaluate
@@ -95,13 +139,19 @@ def run(config: EvalConfig, source: str | Path, output: str | Path | None = None
     env = env or RunEnv()
     max_ppl = parse_limit(config.max_ppl_increase, "max_ppl_increase")
     path = resolve_model(source)
+    tasks = None
+    if config.tasks:  # a bad task name, folder or dataset, or no lm-eval, fail before the perplexity pass
+        from compress.lmeval import load_tasks
+
+        tasks = load_tasks(config.tasks, config.include_path)
     ref_path = env.resolve(config.reference, "reference")
-    opts = dict(text=config.text, ctx=config.ctx, max_tokens=config.max_tokens, batch_size=config.batch_size,
+    opts = dict(text=config.text_sources()[0], ctx=config.ctx, max_tokens=config.max_tokens, batch_size=config.batch_size,
                 progress=env.progress)
     lazy = load_streamed(path, config.dtype, env, config.whole_model, "eval")
     ref_lazy = load_streamed(ref_path, config.dtype, env, config.whole_model, "eval") \
         if ref_path is not None else None
     baseline = None
+    model = None
     if lazy is not None and (ref_path is None or ref_lazy is not None):
         from compress.stream_eval import evaluate_lazy  # one block in memory at a time
 
@@ -128,6 +178,7 @@ def run(config: EvalConfig, source: str | Path, output: str | Path | None = None
             base.bytes, base.model = weight_bytes(ref_path), env.name(ref_path, config.reference)
             baseline = base.to_dict()
         result = evaluate(model, tokenizer, reference=reference, **opts)
+        del reference
     result.bytes = weight_bytes(path)
     result.model = env.name(path, str(source))
     figures = result.to_dict()
@@ -139,6 +190,15 @@ def run(config: EvalConfig, source: str | Path, output: str | Path | None = None
         "gates_passed": all(g.passed for g in gates),
         "failed_gates": [g.name for g in gates if not g.passed],
     }
+    if tasks is not None:
+        from compress.lmeval import run_tasks
+
+        if model is None:  # perplexity streamed: lm-eval needs the whole model
+            model, tokenizer = load_model(path, dtype=torch_dtype(config.dtype, path),
+                                          trust_remote_code=env.trust_remote_code)
+        report.update(run_tasks(model, tokenizer, tasks, limit=config.limit,
+                                num_fewshot=config.num_fewshot, batch_size=config.batch_size,
+                                progress=env.progress))
     if output is not None:
         write_json(Path(output), report)
     return report

@@ -74,7 +74,9 @@ def run(config: ExportConfig, source: str | Path, output: str | Path, env: RunEn
         step = {"stage": "export", "dir": "", "report": {"quantized": is_quantized(model),
                                                          "dequantized": config.dequantize}}
         card_report = {**report, "stages": [r for r in report["stages"] if r["stage"] != "export"] + [step]}
-        extra.update(card_files(card_report, origin, run_dir))
+        recipe = None if run_dir is not None or not (model / "recipe.yaml").is_file() \
+            else (model / "recipe.yaml").read_text()
+        extra.update(card_files(card_report, origin, run_dir, recipe=recipe, ref=str(Path(output).expanduser().resolve())))
     extra.update(extra_files or {})
     result = export_checkpoint(
         model, output, dequantize=config.dequantize, save_dtype=config.save_dtype, load_dtype=config.dtype,

@@ -28,7 +28,21 @@ from typing import Any, ClassVar, Literal
 from pydantic import AliasChoices, Field, ValidationError, model_validator
 
 from calibrate import DEFAULT_CALIB_TEXT
-from compress.stages.base import SOURCE, Dtype, RunEnv, StageConfig, strip_volatile, unknown_key_message
+from calibrate.sources import FIELD_KEYS
+from compress.stages.base import (
+    SOURCE,
+    TEXT_SPEC_HELP,
+    Dtype,
+    RunEnv,
+    StageConfig,
+    TextOptions,
+    TextSpec,
+    chat_template_option,
+    messages_field_option,
+    strip_volatile,
+    text_field_option,
+    unknown_key_message,
+)
 
 log = logging.getLogger("layercut.heal")
 DEFAULT_DATA = DEFAULT_CALIB_TEXT
@@ -40,7 +54,7 @@ BUNDLED_HEAL_OFFSET = 300_000
 _ALIASES = {"batch": "batch_size"}  # the option's name before every stage said --batch-size
 
 
-class HealConfig(StageConfig):
+class HealConfig(StageConfig, TextOptions):
     """Options of ``layercut heal``, of a recipe's ``heal`` stage and of :func:`heal.train.heal_model`.
 
     ``batch_size`` is per process (the global batch is batch_size × processes).
@@ -52,6 +66,7 @@ class HealConfig(StageConfig):
     model_config = StageConfig.model_config | {"frozen": True, "validate_assignment": False,
                                                "populate_by_name": True}
     help: ClassVar[str] = "LoRA distillation from the original model, merged into dense weights"
+    text_option: ClassVar[str] = "data"
     examples: ClassVar[tuple[str, ...]] = (
         "layercut heal cut8 --teacher bundled:smollm2-135m -o healed --steps 300 --rank 16",
         "layercut heal cut8 --teacher bundled:smollm2-135m -o healed --teacher-topk 64 --no-gradient-checkpointing",
@@ -61,8 +76,11 @@ class HealConfig(StageConfig):
     teacher: str | None = Field(SOURCE, description="the original model to distil from (needed for kd and "
                                                     "kd+lm); in a recipe 'source' is the recipe's model",
                                 json_schema_extra={"cli_default": None, "metavar": "MODEL"})
-    data: str = Field(DEFAULT_DATA, description="training text")
-    data_offset: int | None = Field(None, ge=0, description=f"first token taken from the text (none: "
+    data: TextSpec = Field(DEFAULT_DATA, description="training text: " + TEXT_SPEC_HELP)
+    text_field: str | None = text_field_option()
+    messages_field: str | None = messages_field_option()
+    chat_template: bool = chat_template_option()
+    data_offset: int | None = Field(None, ge=0, description=f"first token taken from each text source (none: "
                                                             f"{BUNDLED_HEAL_OFFSET} for {DEFAULT_DATA}, past every "
                                                             "calibration draw, else 0)",
                                     json_schema_extra={"metavar": "N"})
@@ -140,13 +158,21 @@ class HealConfig(StageConfig):
 
     @property
     def offset(self) -> int:
+        """The first token of the (first) text source's stream."""
+        return self.source_offsets()[0]
+
+    def source_offsets(self) -> list[int]:
+        """The first token taken from each text source: past every calibration draw on the bundled text."""
         if self.data_offset is not None:
-            return self.data_offset
-        return BUNDLED_HEAL_OFFSET if self.data == DEFAULT_DATA else 0
+            return [self.data_offset] * len(self.text_sources())
+        return [BUNDLED_HEAL_OFFSET if s.source == DEFAULT_DATA else 0 for s in self.text_sources()]
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings a resumed run must share with the interrupted one."""
-        return self.model_dump(exclude={"checkpoint_every", "resume", "save_adapter", "teacher", "stage", "dtype"})
+        unset = {k for k in FIELD_KEYS if getattr(self, k) in (None, False)}
+        # (the text options at their defaults stay out: states saved before they existed still resume)
+        return self.model_dump(exclude={"checkpoint_every", "resume", "save_adapter", "teacher", "stage", "dtype",
+                                        *unset})
 
 
 _HEAL_VOLATILE = ("seconds", "output", "source", "tokens_per_s", "adapter")

@@ -29,19 +29,25 @@ from pydantic import Field, field_validator, model_validator
 from calibrate import DEFAULT_CALIB_TEXT
 from compress.stages.base import (
     STREAM_DTYPE_HELP,
+    TEXT_SPEC_HELP,
     WHOLE_MODEL_HELP,
     Dtype,
     RunEnv,
     StageConfig,
+    TextOptions,
+    TextSpec,
+    chat_template_option,
+    messages_field_option,
     parse_fraction,
     strip_volatile,
+    text_field_option,
 )
 
 log = logging.getLogger("layercut.prune")
 PRUNE_VERSION = 1
 
 
-class PruneConfig(StageConfig):
+class PruneConfig(StageConfig, TextOptions):
     """Options of ``layercut prune`` and of a recipe's ``prune`` stage.
 
     >>> PruneConfig(drop="25%", select="angular").drop
@@ -73,7 +79,10 @@ class PruneConfig(StageConfig):
                                                    "squared activation")
     fuse: bool = Field(False, description="fold the removed blocks into their neighbour instead (LaCo)")
     fuse_calibrate: bool = Field(False, description="fit one merge coefficient per matrix on data (with --fuse)")
-    calib: str = Field(DEFAULT_CALIB_TEXT, description="calibration text")
+    calib: TextSpec = Field(DEFAULT_CALIB_TEXT, description="calibration text: " + TEXT_SPEC_HELP)
+    text_field: str | None = text_field_option()
+    messages_field: str | None = messages_field_option()
+    chat_template: bool = chat_template_option()
     samples: int = Field(64, ge=1, description="calibration sequences")
     seq_len: int = Field(512, ge=2, description="tokens per calibration sequence")
     batch_size: int = Field(8, ge=1, description="sequences per forward pass")
@@ -134,7 +143,8 @@ def choose(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
     params_before = _params(model)
     select, replace = config.select, config.replace
     needs_data = replace != "none" or config.fuse_calibrate or select not in (None, "gate-norm")
-    calib_set = calibration_batch(tokenizer, config.calib, samples=config.samples, seq_len=config.seq_len) \
+    calib_set = calibration_batch(tokenizer, config.text_sources(), samples=config.samples,
+                                  seq_len=config.seq_len) \
         if needs_data else None
     scores = None
     if select is not None:
@@ -176,7 +186,7 @@ def report_of(config: PruneConfig, plan: dict, details: dict, layers_after: int,
         "num_layers_after": layers_after,
         "params_before": plan["params_before"],
         "params_after": params_after,
-        "calibration": {"text": config.calib, "samples": config.samples, "seq_len": config.seq_len}
+        "calibration": {"text": config.text_label(), "samples": config.samples, "seq_len": config.seq_len}
         if plan["calib_set"] is not None else None,
         **details,
         **extra,

@@ -29,19 +29,25 @@ from pydantic import Field, model_validator
 from calibrate import DEFAULT_CALIB_TEXT
 from compress.stages.base import (
     STREAM_DTYPE_HELP,
+    TEXT_SPEC_HELP,
     WHOLE_MODEL_HELP,
     Dtype,
     RunEnv,
     SaveDtype,
     StageConfig,
+    TextOptions,
+    TextSpec,
+    chat_template_option,
     int_list,
+    messages_field_option,
     strip_volatile,
+    text_field_option,
 )
 
 SUPPORTED_BITS = (2, 3, 4, 8)  # compress.quant.gptq.SUPPORTED_BITS (checked equal in tests/test_recipe.py)
 
 
-class QuantizeConfig(StageConfig):
+class QuantizeConfig(StageConfig, TextOptions):
     """Options of ``layercut quantize`` and of a recipe's ``quantize`` stage.
 
     >>> QuantizeConfig(avg_bits=3.5, candidates=[2, 3, 4, 8]).candidate_list()
@@ -83,7 +89,10 @@ class QuantizeConfig(StageConfig):
     sequential: Literal["block", "sublayer", "linear"] = Field(
         "block", description="how often each block's inputs are re-collected: once, per sublayer (2), per "
                              "linear group (4)")
-    calib: str = Field(DEFAULT_CALIB_TEXT, description="calibration text")
+    calib: TextSpec = Field(DEFAULT_CALIB_TEXT, description="calibration text: " + TEXT_SPEC_HELP)
+    text_field: str | None = text_field_option()
+    messages_field: str | None = messages_field_option()
+    chat_template: bool = chat_template_option()
     samples: int = Field(128, ge=1, description="calibration sequences")
     seq_len: int = Field(512, ge=2, description="tokens per calibration sequence")
     seed: int = Field(0, description="calibration sampling seed (in a recipe: the recipe's seed unless given)")
@@ -140,10 +149,11 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
         if config.avg_bits < floor * (1 - 1e-12):
             raise LayercutError(f"quantize: --avg-bits {config.avg_bits} is below the smallest candidate: every "
                                 f"unit at {cands[0]} bits with group size {gs} already costs {floor:.4f} bits/weight")
-    calib = calibration_batch(tokenizer, config.calib, samples=config.samples, seq_len=config.seq_len, seed=seed)
+    calib = calibration_batch(tokenizer, config.text_sources(), samples=config.samples, seq_len=config.seq_len,
+                              seed=seed)
     report: dict = {"method": config.method, "group_size": gs, "sym": config.sym, "act_order": config.act_order,
                     "static_groups": config.static_groups, "group_aware": config.group_aware,
-                    "sequential": config.sequential, "damp": config.damp, "calib": config.calib,
+                    "sequential": config.sequential, "damp": config.damp, "calib": config.text_label(),
                     "samples": config.samples, "seq_len": config.seq_len}
     linear_bits: dict[str, int] = {}
     alloc = alloc_json = None

@@ -26,12 +26,24 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator
 
 from calibrate import DEFAULT_CALIB_TEXT
-from compress.stages.base import STREAM_DTYPE_HELP, WHOLE_MODEL_HELP, Dtype, RunEnv, StageConfig
+from compress.stages.base import (
+    STREAM_DTYPE_HELP,
+    TEXT_SPEC_HELP,
+    WHOLE_MODEL_HELP,
+    Dtype,
+    RunEnv,
+    StageConfig,
+    TextOptions,
+    TextSpec,
+    chat_template_option,
+    messages_field_option,
+    text_field_option,
+)
 
 METHODS = ("angular", "angular-all", "block-influence", "attn-cosine", "mlp-cosine", "gate-norm", "swap-kl")
 
 
-class ScoreConfig(StageConfig):
+class ScoreConfig(StageConfig, TextOptions):
     """Options of ``layercut score`` and of a recipe's ``score`` stage."""
 
     help: ClassVar[str] = "score every layer's importance and list the layers each method would drop"
@@ -47,7 +59,10 @@ class ScoreConfig(StageConfig):
                                                      "(none: --drop, else 1)", json_schema_extra={"metavar": "N"})
     drop: int | None = Field(None, ge=1, description="also list the N layers each method would drop (none: --span)",
                              json_schema_extra={"metavar": "N"})
-    calib: str = Field(DEFAULT_CALIB_TEXT, description="calibration text")
+    calib: TextSpec = Field(DEFAULT_CALIB_TEXT, description="calibration text: " + TEXT_SPEC_HELP)
+    text_field: str | None = text_field_option()
+    messages_field: str | None = messages_field_option()
+    chat_template: bool = chat_template_option()
     samples: int = Field(64, ge=1, description="calibration sequences")
     seq_len: int = Field(512, ge=2, description="tokens per calibration sequence")
     batch_size: int = Field(8, ge=1, description="sequences per forward pass")
@@ -154,7 +169,8 @@ def run(config: ScoreConfig, source: str | Path, output: str | Path | None = Non
         else:
             model, tokenizer = load_model(path, dtype=torch_dtype(config.dtype, path),
                                           trust_remote_code=env.trust_remote_code)
-        calib = calibration_batch(tokenizer, config.calib, samples=config.samples, seq_len=config.seq_len, seed=0)
+        calib = calibration_batch(tokenizer, config.text_sources(), samples=config.samples, seq_len=config.seq_len,
+                                  seed=0)
     timings = {}
     if data:
         from compress.select import compute_scores
@@ -178,7 +194,7 @@ def run(config: ScoreConfig, source: str | Path, output: str | Path | None = Non
         scores.swap_kl = swap_kl_scores(model, calib, samples=config.swap_samples, progress=env.progress)
         timings["swap_kl_s"] = time.perf_counter() - t0
     scores.meta.update(model=env.name(path, str(source)), methods=methods,
-                       calib=config.calib if model is not None else None,
+                       calib=config.text_label() if model is not None else None,
                        seq_len=config.seq_len if model is not None else None)
 
     chosen = selections(scores, methods, drop) if drop is not None else {}
