@@ -200,7 +200,11 @@ def run_blocks(
     callbacks = list(callbacks)
     lazy = lazy_of(model)  # a streamed model's blocks are read onto the CPU for their turn
     home = torch.device("cpu") if lazy is not None else model.get_input_embeddings().weight.device
-    device = torch.device(device) if device is not None else home
+    if device is None:  # a stage's --device (compress.devices.compute_device), else where the model is
+        from compress.devices import current_device
+
+        device = current_device() or home
+    device = torch.device(device)
     hidden, call_args = capture_inputs(model, calib, batch_size, spec)
     if lazy is not None:  # the embedding (128k x hidden on Llama 3) is not needed past input capture
         lazy.release_outside()

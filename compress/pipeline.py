@@ -161,6 +161,11 @@ def run_recipe(recipe: Recipe, out: str | os.PathLike, resume: bool = False, pro
     elif not out.is_dir():
         raise LayercutError(f"output {out} exists and is not a directory")
     source = resolve_model(recipe.model)  # a bad model spec fails before OUT is created
+    from compress.devices import resolve_device
+
+    for cfg in recipe.stages:  # --device cuda without CUDA, too
+        if getattr(cfg, "device", None) is not None:
+            resolve_device(cfg.device)
     prepare_run_dir(recipe, out, resume)
     handler = _file_log(out / "run.log")
     try:

@@ -114,7 +114,9 @@ def heal_model(
         raise LayercutError(f"heal data has {data.num_samples} sequences, config asks {cfg.num_samples}")
     _, vocab, _ = model_dims(student)
 
-    accelerator = Accelerator()
+    from compress.devices import resolve_device
+
+    accelerator = Accelerator(cpu=resolve_device(cfg.device).type == "cpu")  # auto: cuda when available
     set_seed(cfg.seed)
     cache: TopKCache | None = None
     if cfg.loss == "lm":

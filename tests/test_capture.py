@@ -131,3 +131,32 @@ def test_stats_mask_and_last_token():
     stats2 = CosineStats()
     stats2.update(a, -a, mask)
     assert abs(stats2.mean_angle() - 1) < 1e-6
+
+
+def test_blocks_run_on_the_stage_device(calib, monkeypatch):
+    """A stage's --device reaches the driver: each block and its activations move there for its turn.
+
+    No second device exists on a CPU machine, so the compute device is the meta device: the
+    callback sees the block and its inputs there (and stops the pass)."""
+    from compress import devices
+
+    model = build_tiny_model("llama")
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def record(run):
+        seen["block"] = next(run.block.parameters()).device
+        seen["inputs"] = run.inputs[0].device
+        raise Stop
+
+    monkeypatch.setattr(devices, "resolve_device", lambda name: torch.device("meta"))
+    with devices.compute_device("cuda"), pytest.raises(Stop):
+        run_blocks(model, calib, [record], batch_size=3, progress=False)
+    assert seen == {"block": torch.device("meta"), "inputs": torch.device("meta")}
+    assert devices.current_device() is None  # the setting ends with the stage
+    seen.clear()
+    with pytest.raises(Stop):
+        run_blocks(build_tiny_model("llama"), calib, [record], batch_size=3, progress=False)
+    assert seen == {"block": torch.device("cpu"), "inputs": torch.device("cpu")}

@@ -166,6 +166,30 @@ def test_bad_input(case, ws, capsys, monkeypatch, tmp_path_factory):
     assert tree(d) == before  # no partial output anywhere
 
 
+@pytest.mark.parametrize("argv", [
+    ["quantize", "{m}", "-o", "{d}/out", "--bits", "4", "--device", "cuda"],
+    ["score", "{m}", "--method", "angular", "--device", "cuda:0"],
+    ["prune", "{m}", "-o", "{d}/out", "--drop", "1", "--select", "angular", "--device", "cuda"],
+    ["eval", "{m}", "--device", "cuda"],
+    ["run", "{d}/dev.yaml", "-o", "{d}/out"],
+], ids=["quantize", "score", "prune", "eval", "recipe"])
+def test_cuda_device_without_cuda_is_one_line(argv, ws, capsys, monkeypatch):
+    """``--device cuda`` on a machine without CUDA: one line before any work, nothing written."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU machine
+    d, model = ws
+    write(d, "dev.yaml", recipe_text(str(model), "  - prune: {layers: [2], samples: 2, seq_len: 16, device: cuda}\n"))
+    before = tree(d)
+    check_one_error(capsys, [a.format(m=model, d=d) for a in argv], ["--device cuda", "no CUDA device on this machine"])
+    assert tree(d) == before
+
+
+def test_device_value_is_checked(ws, capsys):
+    d, model = ws
+    check_one_error(capsys, ["eval", str(model), "--device", "gpu"], ["--device", "should match pattern"])
+
+
 def test_at_least_25_distinct_bad_inputs():
     assert len({c[0] for c in CASES}) == len(CASES) >= 25
 

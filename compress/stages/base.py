@@ -202,6 +202,12 @@ def messages_field_option() -> Any:
                  json_schema_extra={"metavar": "FIELD"})
 
 
+def device_option() -> Any:
+    from compress.devices import DEVICE_HELP, DEVICE_PATTERN
+
+    return Field("auto", pattern=DEVICE_PATTERN, description=DEVICE_HELP, json_schema_extra={"metavar": "DEVICE"})
+
+
 def chat_template_option() -> Any:
     return Field(False, description="render each conversation with the tokenizer's chat template")
 

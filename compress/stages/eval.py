@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from calibrate import DEFAULT_EVAL_TEXT
+from compress.devices import on_device
 from compress.stages.base import (
     SOURCE,
     STREAM_DTYPE_HELP,
@@ -33,6 +34,7 @@ from compress.stages.base import (
     StageConfig,
     TextOptions,
     chat_template_option,
+    device_option,
     messages_field_option,
     parse_fraction,
     text_field_option,
@@ -62,6 +64,7 @@ class EvalConfig(StageConfig, TextOptions):
     ctx: int = Field(512, ge=2, description="window length in tokens")
     max_tokens: int = Field(16384, ge=2, description="tokens taken from the start of the text")
     batch_size: int = Field(4, ge=1, description="windows (or task requests) per forward pass")
+    device: str = device_option()
     dtype: Dtype = Field("auto", description=STREAM_DTYPE_HELP)
     whole_model: bool = Field(False, description=WHOLE_MODEL_HELP)
     reference: str | None = Field(
@@ -121,6 +124,7 @@ class EvalConfig(StageConfig, TextOptions):
         return self
 
 
+@on_device
 def run(config: EvalConfig, source: str | Path, output: str | Path | None = None,
         env: RunEnv | None = None) -> dict:
     """Evaluate ``source`` (and its reference); write the report to ``output`` (a .json file) if given.

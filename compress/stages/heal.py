@@ -29,6 +29,7 @@ from pydantic import AliasChoices, Field, ValidationError, model_validator
 
 from calibrate import DEFAULT_CALIB_TEXT
 from calibrate.sources import FIELD_KEYS
+from compress.devices import on_device
 from compress.stages.base import (
     SOURCE,
     TEXT_SPEC_HELP,
@@ -38,6 +39,7 @@ from compress.stages.base import (
     TextOptions,
     TextSpec,
     chat_template_option,
+    device_option,
     messages_field_option,
     strip_volatile,
     text_field_option,
@@ -113,6 +115,7 @@ class HealConfig(StageConfig, TextOptions):
     save_adapter: bool = Field(False, description="also keep the LoRA adapter in OUT/adapter")
     checkpoint_every: int = Field(0, ge=0, description="save the training state every K steps (0: never)")
     resume: bool = Field(False, description="continue an interrupted heal from OUT.heal-state")
+    device: str = device_option()
     dtype: Dtype = Field("fp32", description="dtype the models are loaded in (auto: the checkpoints' own)")
 
     @model_validator(mode="before")
@@ -171,7 +174,7 @@ class HealConfig(StageConfig, TextOptions):
         """The settings a resumed run must share with the interrupted one."""
         unset = {k for k in FIELD_KEYS if getattr(self, k) in (None, False)}
         # (the text options at their defaults stay out: states saved before they existed still resume)
-        return self.model_dump(exclude={"checkpoint_every", "resume", "save_adapter", "teacher", "stage", "dtype",
+        return self.model_dump(exclude={"checkpoint_every", "resume", "save_adapter", "teacher", "stage", "dtype", "device",
                                         *unset})
 
 
@@ -182,6 +185,7 @@ def _dims(config) -> tuple[int | None, int | None]:
     return getattr(config, "hidden_size", None), getattr(config, "vocab_size", None)
 
 
+@on_device
 def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv | None = None) -> dict:
     """Heal ``source`` by distillation from ``config.teacher``; write the merged model to ``output``.
 

@@ -27,6 +27,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from calibrate import DEFAULT_CALIB_TEXT
+from compress.devices import on_device
 from compress.stages.base import (
     STREAM_DTYPE_HELP,
     TEXT_SPEC_HELP,
@@ -37,6 +38,7 @@ from compress.stages.base import (
     TextOptions,
     TextSpec,
     chat_template_option,
+    device_option,
     messages_field_option,
     parse_fraction,
     strip_volatile,
@@ -86,6 +88,7 @@ class PruneConfig(StageConfig, TextOptions):
     samples: int = Field(64, ge=1, description="calibration sequences")
     seq_len: int = Field(512, ge=2, description="tokens per calibration sequence")
     batch_size: int = Field(8, ge=1, description="sequences per forward pass")
+    device: str = device_option()
     dtype: Dtype = Field("auto", description=STREAM_DTYPE_HELP)
     whole_model: bool = Field(False, description=WHOLE_MODEL_HELP + "; sublayer removal and fuse always load it")
 
@@ -231,6 +234,7 @@ def prune_model(model, tokenizer, config: PruneConfig, progress: bool = True):
     return apply(model, tokenizer, config, None, progress)[0]
 
 
+@on_device
 def run(config: PruneConfig, source: str | Path, output: str | Path, env: RunEnv | None = None,
         plot: str | Path | None = None) -> dict:
     """Load ``source``, prune it, write the checkpoint to ``output``; returns the report.

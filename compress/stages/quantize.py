@@ -27,6 +27,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from calibrate import DEFAULT_CALIB_TEXT
+from compress.devices import on_device, resolve_device
 from compress.stages.base import (
     STREAM_DTYPE_HELP,
     TEXT_SPEC_HELP,
@@ -38,6 +39,7 @@ from compress.stages.base import (
     TextOptions,
     TextSpec,
     chat_template_option,
+    device_option,
     int_list,
     messages_field_option,
     strip_volatile,
@@ -97,8 +99,7 @@ class QuantizeConfig(StageConfig, TextOptions):
     seq_len: int = Field(512, ge=2, description="tokens per calibration sequence")
     seed: int = Field(0, description="calibration sampling seed (in a recipe: the recipe's seed unless given)")
     batch_size: int = Field(8, ge=1, description="sequences per forward pass")
-    device: str | None = Field(None, description="where blocks run and are solved, e.g. cuda (none: the "
-                                                 "model's device)")
+    device: str = device_option()
     dtype: Dtype = Field("auto", description=STREAM_DTYPE_HELP)
     whole_model: bool = Field(False, description=WHOLE_MODEL_HELP + "; RTN and --avg-bits always load it")
     save_dtype: SaveDtype = Field("fp16", description="dtype of the tensors that stay unquantized")
@@ -161,7 +162,7 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
         n = config.sensitivity_samples
         sub = CalibSet(calib.input_ids[:n], calib.attention_mask[:n])
         sens = measure_sensitivity(net, sub, units, cands, cfg, methods=(config.sensitivity,),
-                                   batch_size=config.batch_size, device=config.device, progress=progress)
+                                   batch_size=config.batch_size, device=resolve_device(config.device), progress=progress)
         alloc_units = [u.to_unit(sens.delta[u.name], gs) for u in units]
         alloc = allocate_bits(alloc_units, config.avg_bits, group_size=gs, candidates=cands)
         linear_bits = expand_bits(units, alloc.bits)
@@ -179,7 +180,7 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
     else:
         report["bits"] = config.bits
     result = quantize_model(net, calib if config.method == "gptq" else None, cfg, linear_bits,
-                            batch_size=config.batch_size, device=config.device, progress=progress,
+                            batch_size=config.batch_size, device=resolve_device(config.device), progress=progress,
                             after_block=after_block)
     report.update(avg_bits=result.avg_bits(), quantize_seconds=result.seconds, solve_seconds=result.solve_seconds,
                   linears=len(result.layers), tokens=result.tokens)
@@ -206,6 +207,7 @@ def quantize_model(model, tokenizer, config: QuantizeConfig, progress: bool = Tr
     return model
 
 
+@on_device
 def run(config: QuantizeConfig, source: str | Path, output: str | Path, env: RunEnv | None = None) -> dict:
     """Quantize ``source`` into a GPTQ v1 checkpoint at ``output``; returns the report.
 

@@ -26,6 +26,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator
 
 from calibrate import DEFAULT_CALIB_TEXT
+from compress.devices import on_device
 from compress.stages.base import (
     STREAM_DTYPE_HELP,
     TEXT_SPEC_HELP,
@@ -36,6 +37,7 @@ from compress.stages.base import (
     TextOptions,
     TextSpec,
     chat_template_option,
+    device_option,
     messages_field_option,
     text_field_option,
 )
@@ -67,6 +69,7 @@ class ScoreConfig(StageConfig, TextOptions):
     seq_len: int = Field(512, ge=2, description="tokens per calibration sequence")
     batch_size: int = Field(8, ge=1, description="sequences per forward pass")
     swap_samples: int = Field(4, ge=1, description="sequences used by swap-kl")
+    device: str = device_option()
     dtype: Dtype = Field("auto", description=STREAM_DTYPE_HELP)
     whole_model: bool = Field(False, description=WHOLE_MODEL_HELP + "; swap-kl always loads it")
 
@@ -127,6 +130,7 @@ def selections(scores, methods: list[str], n: int) -> dict:
     return out
 
 
+@on_device
 def run(config: ScoreConfig, source: str | Path, output: str | Path | None = None, env: RunEnv | None = None,
         plot: str | Path | None = None) -> dict:
     """Score ``source``'s layers; write the report to ``output`` (.json) and a PNG to ``plot`` if given."""
