@@ -280,7 +280,7 @@ def _readme(result: HealResult, cfg: HealConfig) -> str:
         "",
         f"LoRA (peft) rank {cfg.rank}, alpha {cfg.lora_alpha:g}, on {', '.join(result.targets)} "
         f"({result.lora_modules} modules); loss {cfg.loss}"
-        + (f" from the teacher's top-{cfg.teacher_topk} log-probs" if cfg.teacher_topk else "")
+        + (f" from the teacher's top-{cfg.teacher_topk} log-probs" if cfg.teacher_topk and cfg.loss != "lm" else "")
         + f"; {result.steps} steps of {cfg.batch} x {cfg.seq_len} tokens from {cfg.text_label()} "
         f"(offset {cfg.offset if isinstance(cfg.data, str) else cfg.source_offsets()}), lr {cfg.lr:g} ({cfg.schedule}), seed {cfg.seed}.",
         f"Loss {result.loss_first:.4f} -> {result.loss_last:.4f}. The adapters are merged into these "

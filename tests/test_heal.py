@@ -202,7 +202,7 @@ def test_merge_round_trip(tiny_tokenizer, tmp_path, family):
 
 def test_same_seed_same_weights_and_topk_at_full_vocab(tiny_tokenizer):
     teacher, student = _peaked()
-    cfg = HealConfig(steps=5, **TINY)
+    cfg = HealConfig(steps=5, teacher_topk=0, **TINY)  # the teacher beside the student: full distributions
     runs = [_state(heal_model(copy.deepcopy(student), teacher, tiny_tokenizer, cfg, progress=False).model)
             for _ in range(2)]
     for key in runs[0]:
@@ -210,11 +210,15 @@ def test_same_seed_same_weights_and_topk_at_full_vocab(tiny_tokenizer):
     other = _state(heal_model(copy.deepcopy(student), teacher, tiny_tokenizer, cfg.model_copy(update={"seed": 1}),
                               progress=False).model)
     assert any(not torch.equal(runs[0][k], other[k]) for k in runs[0])
-    # the cached teacher at k = V trains the same weights as the teacher on the fly
+    # the cached teacher at k = V trains the same weights as the teacher on the fly; the default k = 64 not
     topk = _state(heal_model(copy.deepcopy(student), teacher, tiny_tokenizer,
                              cfg.model_copy(update={"teacher_topk": 384}), progress=False).model)
     for key in runs[0]:
         torch.testing.assert_close(topk[key], runs[0][key], rtol=1e-4, atol=1e-5)
+    assert HealConfig().teacher_topk == 64
+    default = _state(heal_model(copy.deepcopy(student), teacher, tiny_tokenizer,
+                                cfg.model_copy(update={"teacher_topk": 64}), progress=False).model)
+    assert any(not torch.allclose(default[k], runs[0][k], rtol=1e-4, atol=1e-5) for k in runs[0])
 
 
 def test_resume_matches_uninterrupted_run(tiny_tokenizer, tmp_path):
@@ -426,3 +430,43 @@ def test_cli_heal_quantized_checkpoint(tiny_model_dir, tmp_path, capsys):
     assert "re-quantize" in captured.err
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+
+def test_teacher_topk_default_and_lm_loss():
+    """Top-64 is the default for the distillation losses; lm needs no teacher, so only an explicit K is an error."""
+    from compress.errors import LayercutError
+
+    assert HealConfig().teacher_topk == 64 and HealConfig(loss="lm").loss == "lm"
+    with pytest.raises((ValueError, LayercutError), match="needs a distillation loss"):
+        HealConfig.parse({"loss": "lm", "teacher_topk": 32})
+    assert HealConfig.parse({"loss": "lm", "teacher_topk": 0}).teacher_topk == 0
+
+
+def test_bf16_checkpoint_heals_over_a_bf16_base(tiny_tokenizer, tmp_path, capsys):
+    """--dtype auto (the default): a bf16 source trains over its bf16 weights (no fp32 copy), adapters in fp32."""
+    from safetensors import safe_open
+
+    teacher = build_tiny_model("llama").to(torch.bfloat16)
+    teacher.config.dtype = torch.bfloat16
+    for name, model in (("teacher", teacher), ("student", drop_blocks(copy.deepcopy(teacher), [1, 2]))):
+        model.save_pretrained(tmp_path / name)
+        tiny_tokenizer.save_pretrained(tmp_path / name)
+    seen = {}
+
+    def spy(step, loss, model):
+        seen.setdefault("base", {p.dtype for n, p in model.named_parameters() if "lora_" not in n})
+        seen.setdefault("lora", {p.dtype for n, p in model.named_parameters() if "lora_" in n})
+
+    from compress.models import load_model
+
+    student, _ = load_model(tmp_path / "student", dtype=torch.bfloat16)
+    cfg = HealConfig(steps=4, samples=8, seq_len=24, batch_size=2, rank=4, data_offset=0, lr=2e-3, teacher_topk=0)
+    result = heal_model(student, teacher, tiny_tokenizer, cfg, out_dir=tmp_path / "healed", progress=False, callback=spy)
+    assert seen == {"base": {torch.bfloat16}, "lora": {torch.float32}}
+    assert result.losses[-1] < result.losses[0]
+    with safe_open(str(tmp_path / "healed" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert main(["heal", str(tmp_path / "student"), "--teacher", str(tmp_path / "teacher"), "-o",
+                 str(tmp_path / "cli"), "--steps", "2", "--samples", "4", "--seq-len", "24", "--batch-size", "2",
+                 "--data-offset", "0", "--json"]) == 0
+    assert json.loads((tmp_path / "cli" / "config.json").read_text())["dtype"] == "bfloat16"

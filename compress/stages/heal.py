@@ -11,7 +11,7 @@ Run it::
     result = heal_model(student, teacher, tokenizer, HealConfig(steps=200))
 
 Checks run before anything is loaded or written: settings, output location, tokenizers,
-configs, data. With ``teacher_topk`` the teacher runs once over the data, is freed, and
+configs, data. With ``teacher_topk`` (default 64; 0 turns it off) the teacher runs once over the data, is freed, and
 only then is the student loaded, so the two never need to fit in memory together. Rank,
 alpha, learning rate and loss default to what ``benchmarks/heal.py`` measured on SmolLM2
 with 8 blocks removed (``docs/results-heal.md``).
@@ -103,9 +103,11 @@ class HealConfig(StageConfig, TextOptions):
                                                                  "next-token loss (lm), or both")
     kd_weight: float = Field(0.5, ge=0.0, le=1.0, description="weight of the distillation term in kd+lm")
     temperature: float = Field(1.0, gt=0.0, description="distillation temperature")
-    teacher_topk: int | None = Field(None, ge=1, description="run the teacher once and keep only its K most likely "
-                                                             "tokens per position (none: run it beside the student)",
-                                     json_schema_extra={"metavar": "K"})
+    teacher_topk: int = Field(64, ge=0, description="run the teacher once over the data, keep only its K most likely "
+                                                    "tokens per position (N·L·(8K+4) bytes) and free it before the "
+                                                    "student loads, so the two are never resident together (0: run "
+                                                    "it beside the student, full distributions)",
+                              json_schema_extra={"metavar": "K"})
     seq_len: int = Field(512, ge=8, description="tokens per training sequence")
     batch_size: int = Field(4, ge=1, validation_alias=AliasChoices("batch_size", "batch"),
                             description="sequences per step per process")
@@ -116,7 +118,9 @@ class HealConfig(StageConfig, TextOptions):
     checkpoint_every: int = Field(0, ge=0, description="save the training state every K steps (0: never)")
     resume: bool = Field(False, description="continue an interrupted heal from OUT.heal-state")
     device: str = device_option()
-    dtype: Dtype = Field("fp32", description="dtype the models are loaded in (auto: the checkpoints' own)")
+    dtype: Dtype = Field("auto", description="dtype the models are loaded in: the frozen base trains in it, the "
+                                             "LoRA adapters in float32 (auto: the checkpoint's own if bf16 or fp32; "
+                                             "fp32 for fp16 and GPTQ checkpoints, which train poorly in fp16)")
 
     @model_validator(mode="before")
     @classmethod
@@ -130,7 +134,7 @@ class HealConfig(StageConfig, TextOptions):
 
     @model_validator(mode="after")
     def _check(self) -> HealConfig:
-        if self.teacher_topk is not None and self.loss == "lm":
+        if self.teacher_topk and self.loss == "lm" and "teacher_topk" in self.model_fields_set:
             raise ValueError("teacher_topk needs a distillation loss (kd or kd+lm), not lm")
         if not self.targets.strip():
             raise ValueError("targets is empty")
@@ -178,6 +182,22 @@ class HealConfig(StageConfig, TextOptions):
                                         *unset})
 
 
+def _train_dtype(name: str, path):
+    """``--dtype`` for training: ``auto`` keeps bf16/fp32 checkpoints as they are, but loads fp16 ones
+    (no loss scaling here) and GPTQ ones (dequantized into dense layers) in float32."""
+    import json
+
+    import torch
+
+    from compress.stages.base import torch_dtype
+
+    dtype = torch_dtype(name, path)
+    if name == "auto" and (dtype == torch.float16 or "quantization_config" in json.loads(
+            (Path(path) / "config.json").read_text())):
+        return torch.float32
+    return dtype
+
+
 _HEAL_VOLATILE = ("seconds", "output", "source", "tokens_per_s", "adapter")
 
 
@@ -195,7 +215,6 @@ def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv 
 
     from compress.errors import LayercutError
     from compress.models import load_model, load_tokenizer, resolve_model
-    from compress.stages.base import torch_dtype
     from export.checkpoint import check_output_dir
     from heal.data import build_topk_cache, heal_data
     from heal.lora import check_tokenizers
@@ -225,14 +244,14 @@ def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv 
 
     teacher = None
     if teacher_path is not None and config.loss != "lm":
-        teacher, _ = load_model(teacher_path, dtype=torch_dtype(config.dtype, teacher_path), trust_remote_code=trust)
+        teacher, _ = load_model(teacher_path, dtype=_train_dtype(config.dtype, teacher_path), trust_remote_code=trust)
         if config.teacher_topk:
             cache = build_topk_cache(teacher, data, config.teacher_topk, config.temperature, config.batch_size,
                                      progress=env.progress)
             del teacher
             gc.collect()
             teacher = cache
-    student, _ = load_model(student_path, dtype=torch_dtype(config.dtype, student_path), trust_remote_code=trust)
+    student, _ = load_model(student_path, dtype=_train_dtype(config.dtype, student_path), trust_remote_code=trust)
     result = heal_model(student, teacher, tokenizer, config, out_dir=out, progress=env.progress, data=data,
                         overwrite=env.overwrite)
     for note in result.notes:
