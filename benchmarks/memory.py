@@ -20,7 +20,7 @@ child's ``ru_maxrss`` (the whole process: Python, torch and transformers include
 ``peak <= 0.5 x bf16 checkpoint bytes + 1 GiB``.
 
 Stages measured, each through its stage's ``run`` (what ``layercut <stage>`` calls);
-heal and export do not stream yet and are listed as such in the README:
+heal and export load the whole model (they do not stream yet):
 - ``eval-streamed``: perplexity and exact KL to a reference (the same checkpoint), one
   block in memory at a time (the default; :mod:`compress.stream_eval`);
 - ``eval-in-memory``: ``--whole-model``, the whole model in float32 (SmolLM2 only);
@@ -29,7 +29,10 @@ heal and export do not stream yet and are listed as such in the README:
   (2 GB output shards, so up to 2 GB of output is buffered);
 - ``prune-lstsq``: the same with a least-squares map fitted over the streamed driver;
 - ``quantize``: GPTQ 4-bit g128 (g64 on SmolLM2, whose 576 inputs 128 does not divide), each
-  block quantized, written and freed at its turn.
+  block quantized, written and freed at its turn;
+- ``heal``: 2 LoRA steps (rank 4, batch 1 × 64 tokens, the teacher's top-64 cache, the model as
+  its own teacher) over the whole model in its own dtype (bf16), merged and written;
+- ``export``: the whole model loaded in its dtype and written as a release checkpoint.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ import sys
 import time
 from pathlib import Path
 
+# the repo's packages before this folder, whose heal.py (a benchmark) would shadow the heal package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {
     "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -52,7 +57,7 @@ SHAPES = {
                       num_key_value_heads=8, head_dim=128),
 }
 MODELS = ["smollm2-135m", "llama3-1b", "llama3-3b"]
-STAGES = ["eval-streamed", "eval-in-memory", "score", "prune-drop", "prune-lstsq", "quantize"]
+STAGES = ["eval-streamed", "eval-in-memory", "score", "prune-drop", "prune-lstsq", "quantize", "heal", "export"]
 
 
 def model_dir(name: str) -> Path:
@@ -160,6 +165,22 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             report = run_quantize(cfg, str(path), Path(tmp) / "out", env=RunEnv(progress=False))
         out.update(avg_bits=report["avg_bits"], group_size=group, tokens=samples * seq_len)
+    elif stage in ("heal", "export"):
+        import tempfile
+
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            if stage == "heal":
+                from compress.stages.heal import HealConfig
+                from compress.stages.heal import run as run_heal
+
+                cfg = HealConfig(teacher=str(path), steps=2, samples=2, seq_len=64, batch_size=1, rank=4, data_offset=0)
+                run_heal(cfg, str(path), Path(tmp) / "out", env=RunEnv(progress=False))
+                out.update(tokens=2 * 64)
+            else:
+                from compress.stages.export import ExportConfig
+                from compress.stages.export import run as run_export
+
+                run_export(ExportConfig(), str(path), Path(tmp) / "out", env=RunEnv(progress=False))
     else:
         raise SystemExit(f"unknown stage {stage}")
     out["seconds"] = time.perf_counter() - start
@@ -208,6 +229,9 @@ def timing(args, out_path: Path) -> None:
     os.replace(tmp, out_path)
 
 
+WHOLE = ("eval-in-memory", "heal", "export")  # load the whole model: the streaming target does not apply
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | stage | bf16 checkpoint GiB | peak RSS GiB | target GiB | within | s | tokens |",
              "|---|---|---:|---:|---:|---|---:|---:|"]
@@ -215,8 +239,9 @@ def table(rows: list[dict]) -> str:
         gib = r["bf16_bytes"] / 2**30
         target = 0.5 * gib + 1.0
         peak = r["peak_rss_mb"] / 1024
+        within = "whole model" if r["stage"] in WHOLE else "yes" if peak <= target else "NO"
         lines.append(f"| {r['model']} | {r['stage']} | {gib:.2f} | {peak:.2f} | {target:.2f} | "
-                     f"{'yes' if peak <= target else 'NO'} | {r['seconds']:.0f} | {r.get('tokens', '')} |")
+                     f"{within} | {r['seconds']:.0f} | {r.get('tokens', '')} |")
     return "\n".join(lines)
 
 
