@@ -84,10 +84,11 @@ def export_checkpoint(
     *,
     dequantize: bool = False,
     save_dtype: str | None = None,
-    load_dtype: str = "fp32",
+    load_dtype: str = "auto",
     max_shard_size: str = "2GB",
     trust_remote_code: bool = False,
     extra_files: dict[str, str | bytes] | None = None,
+    stream: bool = True,
     overwrite: bool = False,
 ) -> ExportResult:
     """Write ``src`` (a checkpoint dir) to ``out`` as a release checkpoint; nothing is left on failure.
@@ -101,7 +102,7 @@ def export_checkpoint(
     with atomic_dir(out, overwrite) as tmp:
         result = write_export_into(src_path, tmp, dequantize=dequantize, save_dtype=save_dtype,
                                    load_dtype=load_dtype, max_shard_size=max_shard_size,
-                                   trust_remote_code=trust_remote_code, extra_files=extra_files)
+                                   trust_remote_code=trust_remote_code, extra_files=extra_files, stream=stream)
     result.path = str(Path(out))
     return result
 
@@ -131,15 +132,36 @@ def write_export_into(
     *,
     dequantize: bool = False,
     save_dtype: str | None = None,
-    load_dtype: str = "fp32",
+    load_dtype: str = "auto",
     max_shard_size: str = "2GB",
     trust_remote_code: bool = False,
     extra_files: dict[str, str | bytes] | None = None,
+    stream: bool = True,
 ) -> ExportResult:
-    """The non-atomic part of :func:`export_checkpoint`, for callers that own the temp dir."""
+    """The non-atomic part of :func:`export_checkpoint`, for callers that own the temp dir.
+
+    A dense checkpoint is copied tensor by tensor (``stream``; in ``save_dtype``, else the
+    load dtype), so memory holds one tensor, not the model; models with their own modeling
+    code, and ``dequantize``, load the whole model.
+    """
     quantized = is_quantized(src)
+    lazy = None
+    if stream and not quantized and not trust_remote_code:
+        from compress.stages.base import stream_blocker
+
+        if stream_blocker(src) is None:
+            from compress.lazy import LazyModel
+
+            dtype = DTYPES[save_dtype] if save_dtype is not None else torch_dtype(load_dtype, src)
+            lazy = LazyModel(src, storage_dtype=dtype)
     if quantized and not dequantize:
         _copy_checkpoint(src, folder)
+    elif lazy is not None:
+        from compress.depth.stream_drop import write_without_blocks
+
+        write_without_blocks(lazy, folder, [], max_shard_size=max_shard_size)  # copies the side files too
+        for name in _OWN_FILES:  # the run's own card, report and recipe come from extra_files, never the input
+            (folder / name).unlink(missing_ok=True)
     else:
         from compress.models import load_model
 

@@ -100,3 +100,52 @@ def test_card_of_an_exported_gptq_checkpoint_loads_it_with_transformers(quantize
     assert card.data.library_name == "transformers" and "base_model" not in card.data.to_dict()  # a bare path
     use = card.text.split("## Use")[1]
     assert "AutoModelForCausalLM.from_pretrained(" in use and "optimum" in use and "GPTQModel.load" not in use
+
+
+def _tensors(folder):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.parametrize("save", [None, "fp16", "bf16"])
+def test_streamed_dense_export_equals_the_whole_model_path(tiny_model_dir, tmp_path, save, monkeypatch):
+    """A dense export is a tensor-by-tensor copy (one tensor in memory), equal to load + save_pretrained."""
+    import compress.models
+
+    src = tiny_model_dir("llama")
+    flags = ["--save-dtype", save] if save else []
+    calls = []
+    real = compress.models.load_model
+    monkeypatch.setattr(compress.models, "load_model", lambda *a, **k: calls.append(a) or real(*a, **k))
+    assert main(["export", str(src), "-o", str(tmp_path / "streamed"), "--no-card", *flags]) == 0
+    assert calls == []  # the streamed path never builds the model
+    assert main(["export", str(src), "-o", str(tmp_path / "whole"), "--no-card", "--whole-model", *flags]) == 0
+    assert calls
+    a, b = _tensors(tmp_path / "streamed"), _tensors(tmp_path / "whole")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype == {None: torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[save]
+        assert torch.equal(a[k], b[k]), k
+    ca, cb = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("streamed", "whole"))
+    assert ca["dtype"] == cb["dtype"] and ca["num_hidden_layers"] == cb["num_hidden_layers"]
+    assert not (tmp_path / "streamed" / "README.md").exists()
+
+
+def test_export_keeps_a_bf16_source_in_bf16(tiny_model_dir, tmp_path):
+    """--dtype auto (default): a bf16 checkpoint is not doubled to fp32 on the way out."""
+    from safetensors import safe_open
+
+    from tests.conftest import build_tiny_model
+
+    src = tmp_path / "bf16"
+    model = build_tiny_model("llama").to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    model.save_pretrained(src)
+    (src / "tokenizer.json").write_bytes((tiny_model_dir("llama") / "tokenizer.json").read_bytes())
+    assert main(["export", str(src), "-o", str(tmp_path / "out")]) == 0
+    with safe_open(str(next((tmp_path / "out").glob("*.safetensors"))), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}

@@ -62,8 +62,9 @@ def write_without_blocks(
     from export.shards import ShardWriter
 
     num = lazy.num_blocks
-    drop = set(validate_layers(layers, num))
-    check_block_drop_supported(lazy.model)
+    drop = set(validate_layers(layers, num)) if layers else set()  # none: a plain streamed copy (export)
+    if drop:
+        check_block_drop_supported(lazy.model)
     keep = [i for i in range(num) if i not in drop]
     new_index = {old: new for new, old in enumerate(keep)}
     prefix = lazy.spec.layers_path() + "."

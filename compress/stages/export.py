@@ -35,10 +35,12 @@ class ExportConfig(StageConfig):
 
     stage: Literal["export"] = "export"
     dequantize: bool = Field(False, description="turn a GPTQ checkpoint back into dense weights")
-    dtype: Dtype = Field("fp32", description="dtype a dense model is loaded in (auto: the checkpoint's own)")
+    dtype: Dtype = Field("auto", description="dtype a dense model is read in (auto: the checkpoint's own)")
     save_dtype: SaveDtype | None = Field(None, description="dtype of the written dense weights (none: as loaded)")
     max_shard_size: str = Field("2GB", description="largest safetensors file, e.g. 500MB or 2GB")
     card: bool = Field(True, description="write a README.md model card")
+    whole_model: bool = Field(False, description="load the whole model instead of copying a dense checkpoint "
+                                                 "tensor by tensor (--dequantize always loads it)")
 
     @field_validator("max_shard_size")
     @classmethod
@@ -81,7 +83,7 @@ def run(config: ExportConfig, source: str | Path, output: str | Path, env: RunEn
     result = export_checkpoint(
         model, output, dequantize=config.dequantize, save_dtype=config.save_dtype, load_dtype=config.dtype,
         max_shard_size=config.max_shard_size, trust_remote_code=env.trust_remote_code, extra_files=extra,
-        overwrite=env.overwrite,
+        overwrite=env.overwrite, stream=not config.whole_model,
     )
     return result.to_dict()
 
