@@ -20,7 +20,7 @@ child's ``ru_maxrss`` (the whole process: Python, torch and transformers include
 ``peak <= 0.5 x bf16 checkpoint bytes + 1 GiB``.
 
 Stages measured, each through its stage's ``run`` (what ``layercut <stage>`` calls);
-heal and export load the whole model (they do not stream yet):
+heal loads the whole model (it does not stream yet):
 - ``eval-streamed``: perplexity and exact KL to a reference (the same checkpoint), one
   block in memory at a time (the default; :mod:`compress.stream_eval`);
 - ``eval-in-memory``: ``--whole-model``, the whole model in float32 (SmolLM2 only);
@@ -32,7 +32,7 @@ heal and export load the whole model (they do not stream yet):
   block quantized, written and freed at its turn;
 - ``heal``: 2 LoRA steps (rank 4, batch 1 × 64 tokens, the teacher's top-64 cache, the model as
   its own teacher) over the whole model in its own dtype (bf16), merged and written;
-- ``export``: the whole model loaded in its dtype and written as a release checkpoint.
+- ``export``: a release checkpoint (card included), copied tensor by tensor in the source's dtype.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def timing(args, out_path: Path) -> None:
     os.replace(tmp, out_path)
 
 
-WHOLE = ("eval-in-memory", "heal", "export")  # load the whole model: the streaming target does not apply
+WHOLE = ("eval-in-memory", "heal")  # load the whole model: the streaming target does not apply
 
 
 def table(rows: list[dict]) -> str:

@@ -248,6 +248,11 @@ def test_bundled_recipes_validate():
     demo = load_recipe(recipes[0].with_name("smollm2-demo.yaml"))
     assert [s.stage for s in demo.stages] == ["prune", "heal", "quantize", "export", "eval"]
     assert demo.model == "bundled:smollm2-135m" and demo.stages[0].replace == "lstsq"
+    # a real cut of at least 2 blocks, off the bundled model's own Q4_1 grid (4-bit g32)
+    assert demo.stages[0].drop >= 2 and demo.stages[2].group_size != 32
+    aggressive = load_recipe(recipes[0].with_name("smollm2-aggressive.yaml"))
+    assert [s.stage for s in aggressive.stages] == [s.stage for s in demo.stages]
+    assert aggressive.stages[0].drop == "25%" and "aggressive" in aggressive.name
 
 
 def test_flag_generation_from_a_new_config():
