@@ -1,29 +1,23 @@
-"""The two example recipes, measured side by side, and how the demo's settings were chosen.
+"""The two example recipes measured side by side, and how the demo's settings were chosen.
 
-Run (both recipes one after the other, then a longer test eval of each output; about
-20 minutes on 2 free CPU cores, longer on a loaded machine)::
+Run (both recipes, each followed by a longer test eval; about 15 minutes on 2 free cores)::
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/demo.py
-    .venv/bin/python benchmarks/demo.py --from-json benchmarks/results/demo.json   # print the stored figures
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/demo.py --choose    # the candidates, on brown-val
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/demo.py            # -> benchmarks/results/demo.json
+    .venv/bin/python benchmarks/demo.py --from-json benchmarks/results/demo.json   # the README table
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/demo.py --choose   # -> benchmarks/results/demo-choice.json
 
-Measuring: first converts the bundled model once if it is not in the layercut cache yet (a
-separate process, timed as ``convert_s``, so the measured runs are the README's "bundled model
-already converted" case). Then runs ``python -m compress.cli -q run RECIPE -o RUN_DIR`` for
-``recipes/smollm2-demo.yaml`` and ``recipes/smollm2-aggressive.yaml``, each in one child
-process with the CLI's own thread settings, and measures its wall time, its CPU time and its
-peak RSS (``os.wait4``: the child's own high-water mark), with the load average before and
-after. Sizes are the output's safetensors bytes against the source in bf16 (2 bytes per
-parameter of the source checkpoint, the tied embedding counted once). Perplexity and KL are
-the run's own eval stage (its settings, its text: ``bundled:brown-test``); after the timed
-run, the output is evaluated again on ``--long-tokens`` test tokens at ctx 512 (untimed), so
-a short window cannot flatter it. Writes ``benchmarks/results/demo.json``.
+Measuring: converts the bundled model first if it is not cached (timed apart as ``convert_s``),
+then runs ``python -m compress.cli -q run RECIPE -o RUN_DIR`` for each of ``RECIPES`` in one
+child process (the CLI's own threads unless ``--threads``) and takes its wall time, CPU time and
+peak RSS from ``os.wait4``, with the load average before and after. Size: the output's
+safetensors bytes against the source in bf16 (2 bytes per parameter of the source checkpoint,
+the tied embedding once). Perplexity and KL: the run's own eval stage (``bundled:brown-test``),
+then, untimed, ``--long-tokens`` test tokens at ctx 512, so a short window cannot flatter them.
 
-Choosing (``--choose``): runs each of ``CANDIDATES`` (the demo recipe with the knobs below
-overridden) with its eval stage on ``bundled:brown-val``; candidates that share their first
-stages reuse them (the finished run is copied and resumed). Picks, among candidates within
-the size limit and the CPU budget, the one with the lowest validation perplexity, writes
-``benchmarks/results/demo-choice.json`` and says whether the pick is the demo recipe.
+Choosing: runs each of ``CANDIDATES`` (the demo recipe with those knobs set) at one thread with
+its eval stage on ``bundled:brown-val``, reusing the finished leading stages of earlier candidates
+(copied and resumed); picks the lowest validation perplexity among those within the limits below
+and says whether the pick is the demo recipe.
 """
 
 from __future__ import annotations
@@ -54,22 +48,27 @@ WALL_LIMIT_S = 300.0
 # to the work itself on a shared machine (two threads contending for busy cores spin and inflate
 # it), and a run that fits it fits the limit even with one core free.
 CPU_BUDGET_S = 0.9 * WALL_LIMIT_S
-# The knobs tried for the demo (each set explicitly, so a candidate does not depend on the
-# demo recipe's current values for them). 576 input features rule out group size 128, and
-# 4-bit g32 is the bundled model's own Q4_1 grid, so every candidate uses group size 64.
-_Q4 = {"bits": 4, "avg_bits": None, "candidates": None, "sensitivity": None}
-_MIX5 = {"bits": None, "avg_bits": 5.0, "candidates": [4, 8], "sensitivity": "loss"}
+# The knobs tried for the demo, each set explicitly (a candidate does not depend on the demo
+# recipe's current values for them). 576 input features rule out group size 128, and 4-bit g32
+# is the bundled model's own Q4_1 grid, so every candidate uses group size 64.
+Q4 = {"bits": 4, "avg_bits": None, "candidates": None, "sensitivity": None}
+MIX5 = {"bits": None, "avg_bits": 5.0, "candidates": [4, 8], "sensitivity": "loss"}
+MIX52 = {**MIX5, "avg_bits": 5.2}  # 27 blocks leave room for 5.2 bits within the same bytes
+
+
+def _candidate(drop: int, heal_steps: int, quant: dict, quant_samples: int) -> dict:
+    return {"prune": {"drop": drop}, "heal": {"steps": heal_steps}, "quantize": {**quant, "samples": quant_samples}}
+
+
 CANDIDATES: dict[str, dict] = {
-    "drop2-heal24-q4": {"prune": {"drop": 2}, "heal": {"steps": 24}, "quantize": {**_Q4, "samples": 16}},
-    "drop2-heal24-q4-calib32": {"prune": {"drop": 2}, "heal": {"steps": 24}, "quantize": {**_Q4, "samples": 32}},
-    "drop2-heal24-mix5": {"prune": {"drop": 2}, "heal": {"steps": 24}, "quantize": {**_MIX5, "samples": 16}},
-    "drop2-heal24-mix5-calib32": {"prune": {"drop": 2}, "heal": {"steps": 24}, "quantize": {**_MIX5, "samples": 32}},
-    "drop2-heal24-mix5-calib64": {"prune": {"drop": 2}, "heal": {"steps": 24}, "quantize": {**_MIX5, "samples": 64}},
-    "drop2-heal48-mix5": {"prune": {"drop": 2}, "heal": {"steps": 48}, "quantize": {**_MIX5, "samples": 16}},
-    "drop2-heal48-mix5-calib32": {"prune": {"drop": 2}, "heal": {"steps": 48}, "quantize": {**_MIX5, "samples": 32}},
-    # 27 blocks leave room for 5.2 bits within the same bytes
-    "drop3-heal24-mix5.2": {"prune": {"drop": 3}, "heal": {"steps": 24},
-                            "quantize": {**_MIX5, "avg_bits": 5.2, "samples": 16}},
+    "drop2-heal24-q4": _candidate(2, 24, Q4, 16),
+    "drop2-heal24-q4-calib32": _candidate(2, 24, Q4, 32),
+    "drop2-heal24-mix5": _candidate(2, 24, MIX5, 16),
+    "drop2-heal24-mix5-calib32": _candidate(2, 24, MIX5, 32),
+    "drop2-heal24-mix5-calib64": _candidate(2, 24, MIX5, 64),
+    "drop2-heal48-mix5": _candidate(2, 48, MIX5, 16),
+    "drop2-heal48-mix5-calib32": _candidate(2, 48, MIX5, 32),
+    "drop3-heal24-mix5.2": _candidate(3, 24, MIX52, 16),
 }
 
 
@@ -102,6 +101,12 @@ def run_child(args: list[str], log: Path, threads: int | None = None) -> tuple[i
     return os.waitstatus_to_exitcode(status), wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
+def ppl_figures(model: dict, base: dict) -> dict:
+    """An eval report's perplexity, against the reference's, and KL."""
+    return {"text": model["text"], "tokens": model["tokens"], "ctx": model["ctx"], "ppl": model["ppl"],
+            "original_ppl": base["ppl"], "ppl_ratio": model["ppl"] / base["ppl"], "kl": model["kl"]}
+
+
 def quality(report: dict, run_dir: Path, bf16: int) -> dict:
     """Size, depth, bits and the eval stage's figures of a finished run."""
     stages = {r["stage"]: r for r in report["stages"]}
@@ -113,39 +118,36 @@ def quality(report: dict, run_dir: Path, bf16: int) -> dict:
         "removed": stages["prune"]["report"]["layers"] if "prune" in stages else [],
         "bits_per_weight": q.get("avg_bits"),  # scales and zeros included
         "bytes": model["bytes"], "bf16_bytes": bf16, "size_vs_bf16": model["bytes"] / bf16,
-        "text": model["text"], "tokens": model["tokens"], "ctx": model["ctx"],
-        "ppl": model["ppl"], "original_ppl": base["ppl"], "ppl_ratio": model["ppl"] / base["ppl"],
-        "kl": model["kl"], "final_model": str(run_dir / report["final_model"]),
+        **ppl_figures(model, base), "final_model": str(run_dir / report["final_model"]),
     }
 
 
-def measure(name: str, recipe: str, work: Path, long_tokens: int) -> dict:
+def measure(name: str, recipe: str, work: Path, long_tokens: int, threads: int | None) -> dict:
     from compress.recipe import Recipe
 
     run_dir, log = work / name, work / f"{name}.log"
     load_before = os.getloadavg()
-    code, wall, cpu, rss = run_child(["-q", "run", recipe, "-o", str(run_dir)], log)
+    code, wall, cpu, rss = run_child(["-q", "run", recipe, "-o", str(run_dir)], log, threads)
     load_after = os.getloadavg()
     if code != 0:
         sys.exit(f"error: the {name} run failed (exit {code}); log: {log}")
     report = json.loads((run_dir / "report.json").read_text())
     model = Recipe.from_yaml(ROOT / recipe).model
     result = {
-        "command": f"layercut run {recipe} -o RUN_DIR", "load_avg_before": list(load_before),
+        "command": f"{f'OMP_NUM_THREADS={threads} ' if threads else ''}layercut run {recipe} -o RUN_DIR",
+        "threads": threads or "CLI default", "load_avg_before": list(load_before),
         "load_avg_after": list(load_after), "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": rss,
         **quality(report, run_dir, bf16_bytes(model)),
     }
     if long_tokens:
         out = work / f"{name}-long.json"
         code, wall, _cpu, _rss = run_child(["-q", "eval", result["final_model"], "--reference", model,
-                                            "--max-tokens", str(long_tokens), "--ctx", "512", "-o", str(out)], log)
+                                            "--max-tokens", str(long_tokens), "--ctx", "512", "-o", str(out)], log,
+                                           threads)
         if code != 0:
             sys.exit(f"error: the long eval of {name} failed (exit {code}); log: {log}")
         ev = json.loads(out.read_text())
-        m, b = ev["model"], ev["baseline"]
-        result["long_eval"] = {"text": m["text"], "tokens": m["tokens"], "ctx": m["ctx"], "ppl": m["ppl"],
-                               "original_ppl": b["ppl"], "ppl_ratio": m["ppl"] / b["ppl"], "kl": m["kl"],
-                               "wall_s": wall}
+        result["long_eval"] = {**ppl_figures(ev["model"], ev["baseline"]), "wall_s": wall}
     result["report"] = report
     return result
 
@@ -154,6 +156,7 @@ def table(results: dict) -> str:
     rows = ["| recipe | blocks | bits/weight | weights MB (of bf16) | test ppl (original) | × original | KL "
             "| long eval ppl (original) | × original | wall | CPU s | peak RSS GiB |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    notes = []
     for name, r in results.items():
         long = r.get("long_eval") or {}
         lp = f"{long['ppl']:.2f} ({long['original_ppl']:.2f}) | {long['ppl_ratio']:.2f}×" if long else "– | –"
@@ -162,13 +165,11 @@ def table(results: dict) -> str:
                     f"| {r['ppl']:.2f} ({r['original_ppl']:.2f}) | {r['ppl_ratio']:.2f}× | {r['kl']:.3f} | {lp} "
                     f"| {int(r['wall_s'] // 60)} min {r['wall_s'] % 60:.0f} s | {r['cpu_s']:.0f} "
                     f"| {r['peak_rss_mb'] / 1024:.1f} |")
-    any_r = next(iter(results.values()))
-    long = any_r.get("long_eval")
-    notes = [f"Test ppl: the recipe's eval stage ({any_r['tokens']:,} tokens of `{any_r['text']}` at ctx "
-             f"{any_r['ctx']}); long eval: {long['tokens']:,} tokens at ctx {long['ctx']}." if long else "",
-             "Load average (1 min) before each run: " + ", ".join(f"{n} {r['load_avg_before'][0]:.1f}"
-                                                                 for n, r in results.items()) + "."]
-    return "\n".join(rows) + "\n\n" + " ".join(n for n in notes if n)
+        notes.append(f"{name}: eval stage {r['tokens']:,} tokens of `{r['text']}` at ctx {r['ctx']}"
+                     + (f", long eval {long['tokens']:,} at ctx {long['ctx']}" if long else "")
+                     + f"; threads {r.get('threads', 'CLI default')}; load average {r['load_avg_before'][0]:.1f}"
+                     " before the run.")
+    return "\n".join(rows) + "\n\n" + " ".join(notes)
 
 
 def main_measure(args: argparse.Namespace) -> None:
@@ -189,7 +190,7 @@ def main_measure(args: argparse.Namespace) -> None:
     for name in names:
         if (work / name).exists():
             sys.exit(f"error: {work / name} exists; give a fresh --work")
-        data["runs"][name] = measure(name, RECIPES[name], work, args.long_tokens)
+        data["runs"][name] = measure(name, RECIPES[name], work, args.long_tokens, args.threads)
         print(f"{name}:\n{summary_table(data['runs'][name]['report'])}\n", flush=True)
     data["runs"] = {n: data["runs"][n] for n in RECIPES if n in data["runs"]}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -215,13 +216,6 @@ def candidate_recipe(name: str) -> dict:
     return Recipe.from_dict(data, name).to_dict()
 
 
-def _common(a: list[dict], b: list[dict]) -> int:
-    k = 0
-    while k < min(len(a), len(b)) and a[k] == b[k]:
-        k += 1
-    return k
-
-
 def _reuse(done: dict[str, list], stages: list[dict], run_dir: Path) -> bool:
     """Prepare ``run_dir`` to resume from the finished stages it can share; False if it starts afresh.
 
@@ -230,12 +224,13 @@ def _reuse(done: dict[str, list], stages: list[dict], run_dir: Path) -> bool:
     """
     from compress.pipeline import stage_dir_name
 
-    if run_dir.exists():
-        src, best = run_dir, _common(stages, done.get(str(run_dir), []))
-    else:
-        best, src = max(((_common(stages, prev), Path(d)) for d, prev in done.items()), default=(0, None))
-        if not best:
-            return False
+    def common(prev: list[dict]) -> int:
+        return next((i for i, (a, b) in enumerate(zip(stages, prev)) if a != b), min(len(stages), len(prev)))
+
+    best, src = (common(done.get(str(run_dir), [])), run_dir) if run_dir.exists() else \
+        max(((common(prev), Path(d)) for d, prev in done.items()), default=(0, None))
+    if src is None or (not best and src != run_dir):
+        return False
     keep = {stage_dir_name(i, next(iter(s))) for i, s in enumerate(stages[:best], 1)}
     drop = [n for n in os.listdir(src) if n == "report.json" or (n[:2].isdigit() and n not in keep)]
     if src == run_dir:
@@ -274,10 +269,10 @@ def main_choose(args: argparse.Namespace) -> None:
                "stage_wall_s": {r["stage"]: r["wall_s"] for r in report["stages"]},
                "total_cpu_s": report["total_cpu_s"], "total_wall_s": report["total_wall_s"],
                **quality(report, run_dir, bf16)}
-        row["fits"] = row["size_vs_bf16"] <= SIZE_LIMIT and row["total_cpu_s"] <= CPU_BUDGET_S
-        # the pick must be the demo recipe itself, but for the eval text
-        as_demo = json.loads(json.dumps(recipe).replace(VAL_TEXT, demo["stages"][-1]["eval"]["text"]))
-        row["is_demo_recipe"] = as_demo["stages"] == demo["stages"]
+        row["fits"] = (row["size_vs_bf16"] <= SIZE_LIMIT and row["ppl_ratio"] <= PPL_LIMIT
+                       and row["total_cpu_s"] <= CPU_BUDGET_S)
+        recipe["stages"][-1]["eval"]["text"] = demo["stages"][-1]["eval"]["text"]
+        row["is_demo_recipe"] = recipe["stages"] == demo["stages"]  # but for the eval text
         rows.append(row)
         print(f"{name}: val ppl {row['ppl']:.2f} ({row['ppl_ratio']:.3f}× {row['original_ppl']:.2f}), KL "
               f"{row['kl']:.4f}, size {100 * row['size_vs_bf16']:.1f}% of bf16, CPU {row['total_cpu_s']:.0f} s, "
@@ -286,8 +281,9 @@ def main_choose(args: argparse.Namespace) -> None:
     pick = min(fitting, key=lambda r: r["ppl"]) if fitting else None
     out = Path(args.json_out or ROOT / "benchmarks/results/demo-choice.json")
     out.write_text(json.dumps({
-        "rule": f"lowest perplexity on {VAL_TEXT} among candidates with weights <= {SIZE_LIMIT:.0%} of bf16 and "
-                f"summed stage CPU time <= {CPU_BUDGET_S:.0f} s", "text": VAL_TEXT,
+        "rule": f"lowest perplexity on {VAL_TEXT} among candidates with weights <= {SIZE_LIMIT:.0%} of bf16, "
+                f"perplexity <= {PPL_LIMIT}x the original's and summed stage CPU time at one thread <= "
+                f"{CPU_BUDGET_S:.0f} s", "text": VAL_TEXT,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores", "candidates": rows,
         "pick": pick and pick["name"], "pick_is_demo_recipe": bool(pick and pick["is_demo_recipe"])}, indent=1) + "\n")
     print(f"pick: {pick and pick['name']} ({'is' if pick and pick['is_demo_recipe'] else 'is NOT'} "
@@ -300,6 +296,8 @@ def main() -> None:
                                    + ", ".join(RECIPES))
     ap.add_argument("--work", help="where runs go (default: a new temp dir; --choose: /tmp/layercut-demo-choice, "
                                    "whose finished candidates are kept and resumed)")
+    ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the measured runs (default: the CLI's own, "
+                                                "all cores; 1 on a machine whose other jobs hold a core)")
     ap.add_argument("--long-tokens", type=int, default=8192, help="test tokens of the untimed second eval (0: none)")
     ap.add_argument("--json-out", help="default: benchmarks/results/demo.json (--choose: demo-choice.json)")
     ap.add_argument("--from-json", help="only print the figures stored in this JSON")

@@ -8,7 +8,7 @@ Usage::
     >>> recipe = Recipe(model="bundled:smollm2-135m",
     ...                 stages=[PruneConfig(drop="25%", select="angular"), EvalConfig(max_tokens=1024)])
     >>> recipe.to_dict()["stages"][1]                            # every default filled in
-    {'eval': {'text': ..., 'ctx': 512, 'max_tokens': 1024, 'batch_size': 4, 'dtype': 'auto', 'whole_model': False, 'reference': 'source', ...}}
+    {'eval': {'text': ..., 'ctx': 512, 'max_tokens': 1024, 'batch_size': 4, 'device': 'auto', 'dtype': 'auto', 'whole_model': False, 'reference': 'source', ...}}
     >>> import yaml
     >>> Recipe.from_dict(yaml.safe_load(recipe.to_yaml())) == recipe   # the resolved recipe round-trips
     True
