@@ -1,6 +1,6 @@
 """The two example recipes measured side by side, and how the demo's settings were chosen.
 
-Run (both recipes, each followed by a longer test eval; about 15 minutes on 2 free cores)::
+Run (both recipes, each followed by a longer test eval; about 7 minutes on 2 free cores)::
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/demo.py            # -> benchmarks/results/demo.json
     .venv/bin/python benchmarks/demo.py --from-json benchmarks/results/demo.json   # the README table
