@@ -10,8 +10,8 @@ Measuring: converts the bundled model first if it is not cached (timed apart as 
 then runs ``python -m compress.cli -q run RECIPE -o RUN_DIR`` for each of ``RECIPES`` in one
 child process (the CLI's own threads unless ``--threads``) and takes its wall time, CPU time and
 peak RSS from ``os.wait4``, with the load average before and after. Size: the output's
-safetensors bytes against the source in bf16 (2 bytes per parameter of the source checkpoint,
-the tied embedding once). Perplexity and KL: the run's own eval stage (``bundled:brown-test``),
+safetensors bytes against the source in bf16 (2 bytes per parameter of the source, as its eval
+counts them: the tied embedding once). Perplexity and KL: the run's own eval stage (``bundled:brown-test``),
 then, untimed, ``--long-tokens`` test tokens at ctx 512, so a short window cannot flatter them.
 
 Choosing: runs each of ``CANDIDATES`` (the demo recipe with those knobs set) at one thread with
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shutil
@@ -72,19 +71,6 @@ CANDIDATES: dict[str, dict] = {
 }
 
 
-def bf16_bytes(model: str) -> int:
-    """2 bytes per parameter of the source checkpoint (every tensor once, as stored)."""
-    from safetensors import safe_open
-
-    from compress.models import resolve_model
-
-    params = 0
-    for f in sorted(Path(resolve_model(model)).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            params += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
-    return 2 * params
-
-
 def run_child(args: list[str], log: Path, threads: int | None = None) -> tuple[int, float, float, float]:
     """Run ``python -m compress.cli ARGS`` in ROOT; (exit code, wall s, CPU s, peak RSS MiB).
 
@@ -107,11 +93,12 @@ def ppl_figures(model: dict, base: dict) -> dict:
             "original_ppl": base["ppl"], "ppl_ratio": model["ppl"] / base["ppl"], "kl": model["kl"]}
 
 
-def quality(report: dict, run_dir: Path, bf16: int) -> dict:
-    """Size, depth, bits and the eval stage's figures of a finished run."""
+def quality(report: dict, run_dir: Path) -> dict:
+    """Size, depth, bits and the eval stage's figures of a finished run (its reference: the source)."""
     stages = {r["stage"]: r for r in report["stages"]}
     ev = stages["eval"]["report"]
     model, base = ev["model"], ev["baseline"]
+    bf16 = 2 * base["params"]  # the source's parameters (a tied embedding once), 2 bytes each
     q = stages["quantize"]["report"] if "quantize" in stages else {}
     return {
         "blocks": stages["prune"]["report"]["num_layers_after"] if "prune" in stages else None,
@@ -137,7 +124,7 @@ def measure(name: str, recipe: str, work: Path, long_tokens: int, threads: int |
         "command": f"{f'OMP_NUM_THREADS={threads} ' if threads else ''}layercut run {recipe} -o RUN_DIR",
         "threads": threads or "CLI default", "load_avg_before": list(load_before),
         "load_avg_after": list(load_after), "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": rss,
-        **quality(report, run_dir, bf16_bytes(model)),
+        **quality(report, run_dir),
     }
     if long_tokens:
         out = work / f"{name}-long.json"
@@ -170,6 +157,18 @@ def table(results: dict) -> str:
                      + f"; threads {r.get('threads', 'CLI default')}; load average {r['load_avg_before'][0]:.1f}"
                      " before the run.")
     return "\n".join(rows) + "\n\n" + " ".join(notes)
+
+
+def choice_table(choice: dict) -> str:
+    rows = ["| candidate | val ppl | × original | KL | weights of bf16 | CPU s (1 thread) | within limits |",
+            "|---|---:|---:|---:|---:|---:|---|"]
+    for c in choice["candidates"]:
+        rows.append(f"| {'**' * (c['name'] == choice['pick'])}{c['name']}{'**' * (c['name'] == choice['pick'])} "
+                    f"| {c['ppl']:.2f} | {c['ppl_ratio']:.3f}× | {c['kl']:.3f} | {100 * c['size_vs_bf16']:.1f}% "
+                    f"| {c['total_cpu_s']:.0f} | {'yes' if c['fits'] else 'no'} |")
+    first = choice["candidates"][0]
+    return "\n".join(rows) + (f"\n\nOriginal: {first['original_ppl']:.2f} on {first['tokens']:,} tokens of "
+                              f"`{first['text']}` at ctx {first['ctx']}. Rule: {choice['rule']}.")
 
 
 def main_measure(args: argparse.Namespace) -> None:
@@ -249,7 +248,6 @@ def main_choose(args: argparse.Namespace) -> None:
     work = Path(args.work or "/tmp/layercut-demo-choice")
     work.mkdir(parents=True, exist_ok=True)
     demo = Recipe.from_yaml(ROOT / RECIPES["demo"]).to_dict()
-    bf16 = bf16_bytes(demo["model"])
     done = {str(p.parent): yaml.safe_load(p.read_text())["stages"] for p in sorted(work.glob("*/recipe.yaml"))}
     rows = []
     for name in CANDIDATES:
@@ -268,7 +266,7 @@ def main_choose(args: argparse.Namespace) -> None:
                "stage_cpu_s": {r["stage"]: r["cpu_s"] for r in report["stages"]},
                "stage_wall_s": {r["stage"]: r["wall_s"] for r in report["stages"]},
                "total_cpu_s": report["total_cpu_s"], "total_wall_s": report["total_wall_s"],
-               **quality(report, run_dir, bf16)}
+               **quality(report, run_dir)}
         row["fits"] = (row["size_vs_bf16"] <= SIZE_LIMIT and row["ppl_ratio"] <= PPL_LIMIT
                        and row["total_cpu_s"] <= CPU_BUDGET_S)
         recipe["stages"][-1]["eval"]["text"] = demo["stages"][-1]["eval"]["text"]
@@ -300,11 +298,12 @@ def main() -> None:
                                                 "all cores; 1 on a machine whose other jobs hold a core)")
     ap.add_argument("--long-tokens", type=int, default=8192, help="test tokens of the untimed second eval (0: none)")
     ap.add_argument("--json-out", help="default: benchmarks/results/demo.json (--choose: demo-choice.json)")
-    ap.add_argument("--from-json", help="only print the figures stored in this JSON")
+    ap.add_argument("--from-json", help="only print the figures stored in this JSON (demo.json or demo-choice.json)")
     ap.add_argument("--choose", action="store_true", help="run the candidates on brown-val and pick the demo's settings")
     args = ap.parse_args()
     if args.from_json:
-        print(table(json.loads(Path(args.from_json).read_text())["runs"]))
+        data = json.loads(Path(args.from_json).read_text())
+        print(choice_table(data) if "candidates" in data else table(data["runs"]))
     elif args.choose:
         main_choose(args)
     else:
