@@ -68,10 +68,17 @@ class CosineStats:
 
 
 class GramStats:
-    """XᵀX (and optionally XᵀY) over real tokens, in float64.
+    """XᵀX (and optionally XᵀY) over real tokens, summed in float64.
 
     x: [B, L, dx] or [T, dx]; y likewise with dy; mask: [B, L] or [T] (True = real).
+    Each micro-batch's product is computed in ``product_dtype`` (float32 by default: the
+    costly [d, d] matmul at twice the float64 speed, with no float64 copy of the
+    activations) and added to the float64 running sums, as quantize does for its
+    Hessians. ``benchmarks/gram_precision.py`` measures float32 against float64 products
+    on the lstsq replacement, the stage most sensitive to the Gram's conditioning.
     """
+
+    product_dtype: torch.dtype = torch.float32
 
     def __init__(self, dim_x: int, dim_y: int | None = None, device: str | torch.device = "cpu"):
         self.xtx = torch.zeros(dim_x, dim_x, dtype=torch.float64, device=device)
@@ -86,12 +93,18 @@ class GramStats:
             keep = mask.reshape(-1).bool()
             x = x[keep]
             y = y[keep] if y is not None else None
-        x = x.to(self.xtx.device, torch.float64)
-        self.xtx.addmm_(x.T, x)
-        if self.xty is not None:
-            if y is None:
-                raise ValueError("GramStats built with dim_y needs y")
-            self.xty.addmm_(x.T, y.to(self.xtx.device, torch.float64))
+        if y is None and self.xty is not None:
+            raise ValueError("GramStats built with dim_y needs y")
+        x = x.to(self.xtx.device, self.product_dtype)
+        y = None if self.xty is None else y.to(self.xtx.device, self.product_dtype)
+        if self.product_dtype == torch.float64:  # accumulate in place
+            self.xtx.addmm_(x.T, x)
+            if y is not None:
+                self.xty.addmm_(x.T, y)
+        else:  # the float32 product is promoted to float64 by the in-place add
+            self.xtx.add_(x.T @ x)
+            if y is not None:
+                self.xty.add_(x.T @ y)
         self.count += x.shape[0]
 
     def hessian(self) -> torch.Tensor:
