@@ -130,7 +130,7 @@ def _slug(text: str) -> str:
 class CachedReference:
     """evaluate()'s reference model, replayed from fp16 logits stored by the fp32 row."""
 
-    def __init__(self, store: dict[bytes, object]):
+    def __init__(self, store: dict[str, object]):
         import torch
 
         self.store = store
@@ -140,19 +140,19 @@ class CachedReference:
         yield self._p
 
     def __call__(self, input_ids, use_cache=False):
-        return SimpleNamespace(logits=self.store[input_ids.cpu().numpy().tobytes()].float())
+        return SimpleNamespace(logits=self.store[input_ids.cpu().numpy().tobytes().hex()].float())
 
 
 def _ref_file(args, work: Path) -> Path:
-    return work / f"ref_logits-{_slug(args.text)}-{args.max_tokens}.pt"
+    return work / f"ref_logits-{_slug(args.text)}-{args.max_tokens}.safetensors"
 
 
 def _evaluate(model, tok, args, work: Path) -> dict:
-    import torch
+    from safetensors.torch import load_file
 
     from compress.evaluate import evaluate
 
-    store = torch.load(_ref_file(args, work), weights_only=False)
+    store = load_file(_ref_file(args, work))  # keys: the window's token ids as hex
     res = evaluate(model, tok, text=args.text, ctx=512, max_tokens=args.max_tokens,
                    reference=CachedReference(store), progress=False)
     return {"ppl": res.ppl, "kl": res.kl, "eval_tokens": res.tokens}
@@ -210,7 +210,7 @@ def child_fp(args, work: Path) -> dict:
     from compress.models import load_model, resolve_model, weight_bytes
 
     model, tok = load_model(MODEL)
-    store: dict[bytes, torch.Tensor] = {}
+    store: dict[str, torch.Tensor] = {}
 
     class Recorder:
         def parameters(self):
@@ -221,11 +221,13 @@ def child_fp(args, work: Path) -> dict:
 
         def __call__(self, input_ids, use_cache=False):
             out = model(input_ids=input_ids, use_cache=False)
-            store[input_ids.cpu().numpy().tobytes()] = out.logits.half()
+            store[input_ids.cpu().numpy().tobytes().hex()] = out.logits.half().contiguous()
             return out
 
     res = evaluate(Recorder(), tok, text=args.text, ctx=512, max_tokens=args.max_tokens, progress=False)
-    torch.save(store, _ref_file(args, work))
+    from safetensors.torch import save_file
+
+    save_file(store, str(_ref_file(args, work)))
     return {"ppl": res.ppl, "kl": 0.0, "eval_tokens": res.tokens,
             "weights_mb": weight_bytes(resolve_model(MODEL)) / 2**20}
 
