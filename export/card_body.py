@@ -44,7 +44,8 @@ def stage_lines(stages: list[dict]) -> list[str]:
 
 
 def bits_table(quant: dict) -> list[str]:
-    """Bits per allocation unit; runs of consecutive layers with equal bits share a row."""
+    """Bits (and group size, for "3g64"-style labels) per allocation unit; runs of consecutive
+    layers with the same configuration share a row."""
     bits = quant.get("bits_per_layer")
     if not bits:
         return []
@@ -55,6 +56,22 @@ def bits_table(quant: dict) -> list[str]:
         lines += [f"| {layer} | " + " | ".join(str(v.get(c, "")) for c in cols) + " |" for layer, v in bits.items()]
         return lines + [""]
     items = list(bits.items()) if isinstance(bits, dict) else list(enumerate(bits))
+    grouped = _by_layer(items)
+    if grouped is not None:  # units like model.layers.7.qkv: one row per run of equal layers, a column per kind
+        cols = list(dict.fromkeys(k for _, row in grouped for k in row))
+        rows: list[list] = []  # [prefix, first, last, row]
+        for (prefix, index), row in grouped:
+            if rows and rows[-1][0] == prefix and rows[-1][3] == row and rows[-1][2] == index - 1:
+                rows[-1][2] = index
+            else:
+                rows.append([prefix, index, index, row])
+        lines += ["| layers | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+        for prefix, first, last, row in rows:
+            span = str(first) if first == last else f"{first}–{last}"
+            lines.append(f"| {prefix}.{span} | " + " | ".join(_pair_text(row.get(c, "")) for c in cols) + " |")
+        if any(_pair_text(v) != str(v) for _, row in grouped for v in row.values()):
+            lines += ["", "Entries are bits (group size)."]
+        return lines + [""]
     runs: list[list] = []  # [prefix, first, last, bits] for names like model.layers.7
     for name, b in items:
         prefix, _, index = str(name).rpartition(".")
@@ -62,12 +79,36 @@ def bits_table(quant: dict) -> list[str]:
             runs[-1][2] = int(index)
         else:
             runs.append([prefix, int(index), int(index), b] if index.isdigit() else [None, name, name, b])
-    lines += ["| layers | bits |", "|---|---|"]
+    pairs = any(isinstance(b, str) and _pair_text(b) != b for _, _, _, b in runs)  # "3g64" / "4ch" labels
+    lines += ["| layers | bits (group size) |" if pairs else "| layers | bits |", "|---|---|"]
     for prefix, first, last, b in runs:
         span = str(first) if first == last else f"{first}–{last}"
         where = span if not prefix else f"{prefix}.{span}"
-        lines.append(f"| {where} | {b} |")
+        lines.append(f"| {where} | {_pair_text(b) if pairs else b} |")
     return lines + [""]
+
+
+def _by_layer(items: list) -> list[tuple[tuple[str, int], dict]] | None:
+    """[((prefix, layer), {kind: value})] if every name is ``prefix.<layer>.<kind>``, else None."""
+    out: dict[tuple[str, int], dict] = {}
+    for name, value in items:
+        head, _, kind = str(name).rpartition(".")
+        prefix, _, index = head.rpartition(".")
+        if not (prefix and index.isdigit() and kind) or kind.isdigit():
+            return None
+        out.setdefault((prefix, int(index)), {})[kind] = value
+    return list(out.items())
+
+
+def _pair_text(label) -> str:
+    """A quantize report's ``"3g64"`` -> ``"3 (64)"``, ``"4ch"`` -> ``"4 (per channel)"``; else as is."""
+    text = str(label)
+    bits, sep, rest = text.partition("g")
+    if sep and bits.isdigit() and rest.isdigit():
+        return f"{bits} ({rest})"
+    if text.endswith("ch") and text[:-2].isdigit():
+        return f"{text[:-2]} (per channel)"
+    return text
 
 
 def describe_source(src: str) -> str:

@@ -307,7 +307,9 @@ def test_cli_avg_bits_writes_allocation(small_dir, tmp_path, capsys):
                  "--sensitivity-samples", "2", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["avg_bits"] <= 3.7 + 1e-9 and report["avg_bits"] > report["uniform_avg_bits"]["2"]
+    assert report["avg_bits"] <= 3.7 + 1e-9 and report["avg_bits"] > report["uniform_avg_bits"]["2g32"]
+    assert report["baseline"] == "2g32" and report["written"] == "mixed", report["fallback"]
+    assert report["fallback"]["kl_mixed"] < report["fallback"]["kl_uniform"]
     alloc = json.loads((out / "allocation.json").read_text())
     assert {u["bits"] for u in alloc["units"]} == {2, 4} and len(alloc["units"]) == 3 * 4
     assert alloc["avg_bits"] == pytest.approx(report["avg_bits"])  # the cost model = the bytes written
@@ -325,6 +327,11 @@ def _tree(root):
     (["--bits", "5"], "bits must be one of"),
     (["--bits", "4", "--group-size", "48"], "does not divide in_features=64"),
     (["--avg-bits", "2.0", "--candidates", "2,3,4"], "below the smallest candidate"),
+    # in_features 64 (qkv, o, gate_up) and 128 (down): 48 divides neither (red if such a pair were dropped silently)
+    (["--avg-bits", "3.5", "--candidates", "3g48,4g32"], "candidate 3g48: group size 48 divides the input size of no unit"),
+    # 2g128 fits down only: a mix costs >= 3.83 bits/weight, uniform 4ch 4.28; no uniform baseline fits 4.0
+    (["--avg-bits", "4.0", "--candidates", "2g128,4ch"], "fits the --avg-bits 4.0 budget uniformly"),
+    (["--avg-bits", "3.7", "--candidates", "3x64"], "expected e.g. 3g64"),
     (["--avg-bits", "3", "--candidates", "3,5"], "--candidates must be among"),
     (["--bits", "4", "--method", "rtn", "--damp", "0"], "damp must be > 0"),
 ])

@@ -21,8 +21,9 @@ and ``model.safetensors.index.json`` (also for one shard), written atomically.
      "block_name_to_quantize": "model.layers",
      "dynamic": {"+:model\\.layers\\.3\\..*": {"bits": 8, "group_size": 64}, ...}}
 
-``dynamic`` holds GPTQModel's per-module overrides (omitted when every linear has the
-base bits): keys are regexes that GPTQModel (PCRE) and vLLM (``re``) match from the start
+``bits`` / ``group_size`` are the base: the pair most weights have. ``dynamic`` holds
+GPTQModel's per-module overrides of both (omitted when every linear has the base pair, so
+a uniform checkpoint loads in stock transformers): keys are regexes that GPTQModel (PCRE) and vLLM (``re``) match from the start
 of a module's full name, ``+:`` marking a positive override. They are written in the
 model's current layer numbering — after pruning, that is the final one. A whole layer at
 other bits is ``+:model\\.layers\\.3\\..*``; a fused group is e.g.
@@ -90,34 +91,49 @@ def _alternation(names: list[str]) -> str:
     return "(" + "|".join(re.escape(n) for n in names) + ")"
 
 
-def dynamic_overrides(model: nn.Module, bits: Mapping[str, int], base_bits: int, group_size: int) -> dict:
-    """GPTQModel ``dynamic`` entries for every linear whose bits differ from ``base_bits``.
+def dynamic_overrides(
+    model: nn.Module,
+    bits: Mapping[str, int | tuple[int, int]],
+    base_bits: int | tuple[int, int],
+    group_size: int | None = None,
+) -> dict:
+    """GPTQModel ``dynamic`` entries for every linear whose (bits, group size) differs from the base.
 
-    ``bits`` maps full linear names to bits (all target linears). A decoder layer whose
-    linears all share one non-base width gets one layer regex; otherwise each differing
-    fused group gets its own. Raises if a fused group mixes bit widths.
+    ``bits`` maps full linear names (all target linears) to a width (at ``group_size``) or
+    to a (bits, group size) pair; ``base_bits`` is the base width (at ``group_size``) or
+    pair. Every entry carries both ``bits`` and ``group_size``. A decoder layer whose
+    linears all share one non-base pair gets one layer regex; otherwise each differing
+    fused group gets its own. Raises if a fused group mixes configurations.
     """
+    def pair(v) -> tuple[int, int]:
+        if isinstance(v, (tuple, list)):
+            return int(v[0]), int(v[1])
+        if group_size is None:
+            raise LayercutError("dynamic_overrides: bare bits need group_size")
+        return int(v), int(group_size)
+
+    base = pair(base_bits)
     spec = arch_for(model)
     prefix = re.escape(spec.layers_path())
     out: dict[str, dict] = {}
     for i, _block in enumerate(spec.layers_of(model)):
-        group_bits = []
+        group_cfg = []
         for group in spec.groups:
-            widths = {bits[f"{spec.layers_path()}.{i}.{p}"] for p in group}
-            if len(widths) != 1:
-                raise LayercutError(f"quantize: layer {i} group {group} mixes bit widths {sorted(widths)}; "
-                                    "fused projections must share one width")
-            group_bits.append(widths.pop())
-        if len(set(group_bits)) == 1:
-            if group_bits[0] != base_bits:
-                out[f"+:{prefix}\\.{i}\\..*"] = {"bits": group_bits[0], "group_size": group_size}
+            pairs = {pair(bits[f"{spec.layers_path()}.{i}.{p}"]) for p in group}
+            if len(pairs) != 1:
+                raise LayercutError(f"quantize: layer {i} group {group} mixes bit widths / group sizes "
+                                    f"{sorted(pairs)}; fused projections must share one configuration")
+            group_cfg.append(pairs.pop())
+        if len(set(group_cfg)) == 1:
+            if group_cfg[0] != base:
+                out[f"+:{prefix}\\.{i}\\..*"] = {"bits": group_cfg[0][0], "group_size": group_cfg[0][1]}
             continue
-        for group, b in zip(spec.groups, group_bits):
-            if b == base_bits:
+        for group, c in zip(spec.groups, group_cfg):
+            if c == base:
                 continue
             names = list(group) + ([_fused_name(group)] if _fused_name(group) else [])
             body = _alternation(names)
-            out[f"+:{prefix}\\.{i}\\.{body}$"] = {"bits": b, "group_size": group_size}
+            out[f"+:{prefix}\\.{i}\\.{body}$"] = {"bits": c[0], "group_size": c[1]}
     return out
 
 
@@ -138,17 +154,18 @@ def quantization_config(model: nn.Module, result: QuantizeResult) -> dict:
     bits = result.bits()
     if not bits:
         raise LayercutError("quantize: nothing was quantized")
-    counts: Counter[int] = Counter()
+    counts: Counter[tuple[int, int]] = Counter()
     for q in result.layers.values():
-        counts[q.bits] += q.in_features * q.out_features
-    base = max(counts, key=lambda b: (counts[b], -b))  # the width most weights have
+        counts[(q.bits, q.group_size)] += q.in_features * q.out_features
+    # the (bits, group size) most weights have; ties: fewer bits, then the larger group size
+    base = max(counts, key=lambda c: (counts[c], -c[0], c[1] == -1, c[1]))
     spec = arch_for(model)
     qc = {
         "quant_method": "gptq",
         "checkpoint_format": "gptq",
         "format": "gptq",
-        "bits": base,
-        "group_size": cfg.group_size,
+        "bits": base[0],
+        "group_size": base[1],
         "desc_act": cfg.act_order and not cfg.static_groups,  # static groups keep g_idx = i // gs
         "sym": cfg.sym,
         "true_sequential": cfg.sequential != "block",
@@ -160,7 +177,7 @@ def quantization_config(model: nn.Module, result: QuantizeResult) -> dict:
         "modules_in_block_to_quantize": [list(g) for g in spec.groups],
         "meta": {"quantizer": _quantizer_tags(), "method": cfg.method, "sequential": cfg.sequential},
     }
-    dynamic = dynamic_overrides(model, bits, base, cfg.group_size)
+    dynamic = dynamic_overrides(model, result.configs(), base)
     if dynamic:
         qc["dynamic"] = dynamic
     return qc

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -81,6 +82,7 @@ def _swap_quant_linears(model: nn.Module, qc: dict, headers: dict[str, tuple[int
     if not names:
         raise LayercutError("checkpoint has a quantization_config but no .qweight tensors")
     base_bits, base_gs = int(qc["bits"]), int(qc.get("group_size", 128))
+    _check_dynamic_matches(model, qc.get("dynamic"))
     for name in names:
         try:
             module = model.get_submodule(name)
@@ -101,10 +103,37 @@ def _swap_quant_linears(model: nn.Module, qc: dict, headers: dict[str, tuple[int
                 f"{name}.qweight is {list(headers[f'{name}.qweight'])} but {bits}-bit [{in_f} -> {out_f}] needs "
                 f"{list(expected)}: the quantization_config (bits / dynamic) does not match the tensors"
             )
+        if bits not in SUPPORTED_BITS or (gs != -1 and (gs <= 0 or in_f % gs)):
+            raise LayercutError(f"{name}: quantization_config gives it {bits} bits with group size {gs}, which "
+                                f"does not fit its in_features={in_f}")
+        n_groups = 1 if gs == -1 else in_f // gs
+        if f"{name}.scales" in headers and tuple(headers[f"{name}.scales"]) != (n_groups, out_f):
+            raise LayercutError(
+                f"{name}.scales is {list(headers[f'{name}.scales'])} but group size {gs} needs {[n_groups, out_f]}: "
+                "the quantization_config (group_size / dynamic) does not match the tensors"
+            )
         layer = QuantLinear(in_f, out_f, bits, gs, bias=f"{name}.bias" in headers, device="meta")
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
     return set(names)
+
+
+def _check_dynamic_matches(model: nn.Module, dynamic: dict | None) -> None:
+    """Every ``dynamic`` pattern must match some module: one that matches nothing is a
+    typo or a checkpoint written for another numbering (e.g. before pruning), and would
+    silently leave its modules at the base configuration."""
+    if not dynamic:
+        return
+    modules = [n for n, _ in model.named_modules() if n]
+    for pattern in dynamic:
+        raw = pattern[2:] if pattern.startswith(("+:", "-:")) else pattern
+        try:
+            rx = re.compile(raw)
+        except re.error as exc:
+            raise LayercutError(f"quantization_config.dynamic: {pattern!r} is not a valid regex ({exc})") from None
+        if not any(rx.match(n) for n in modules):
+            raise LayercutError(f"quantization_config.dynamic: pattern {pattern!r} matches no module of the model "
+                                "(wrong layer numbering or module names?)")
 
 
 def load_quantized(

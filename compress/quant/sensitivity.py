@@ -1,20 +1,25 @@
-"""How much each allocation unit suffers at each bit width: the Δ_u(b) of the bit allocator.
+"""How much each allocation unit suffers at each candidate: the Δ_u(c) of the bit allocator.
 
 Run it::
 
     from compress.quant.sensitivity import allocation_units, measure_sensitivity
-    units = allocation_units(model, "layer")                 # or "group": qkv / o / gate_up / down
-    table = measure_sensitivity(model, calib, units, (2, 3, 4, 8), QuantConfig(group_size=64))
-    table.delta["model.layers.3"][3]                         # Δ of layer 3 at 3 bits
+    units = allocation_units(model, "group")                 # qkv / o / gate_up / down; or "layer"
+    table = measure_sensitivity(model, calib, units, [(3, 64), (4, -1), (8, -1)], QuantConfig())
+    table.delta["model.layers.3.down"][(3, 64)]              # Δ of layer 3's down_proj at 3-bit g64
+    measure_sensitivity(model, calib, units, (2, 3, 4, 8), QuantConfig(group_size=64))  # bare bits
 
-Each Δ_u(b) is measured on the float model with *only unit u* quantized (GPTQ at b bits,
-Hessians from the float inputs), by one of (``methods``; the first is ``table.delta``):
+A candidate c is a (bits, group size) pair (group size -1 = one group per row), or bare
+bits, which mean ``cfg.group_size`` and key the table by bits as before. A unit is only
+measured at the pairs whose group size divides the in_features of all its linears.
+Each Δ_u(c) is measured on the float model with *only unit u* quantized (GPTQ at c,
+re-solved on the same Hessian for every c, Hessians from the float inputs), by one of
+(``methods``; the first is ``table.delta``):
 
-* ``"kl"`` — the definition: mean over calibration tokens of KL(p_fp ‖ p_{u@b}); one
-  full-model forward per (unit, bits), so |U|·|B| forwards. Exact, and expensive.
+* ``"kl"`` — the definition: mean over calibration tokens of KL(p_fp ‖ p_{u@c}); one
+  full-model forward per (unit, candidate), so |U|·|C| forwards. Exact, and expensive.
 * ``"output"`` — error of the block output: mean over calibration tokens of
   ‖h'_{l+1} − h_{l+1}‖², h the residual stream after the block holding u. One *block*
-  forward per (unit, bits). ``"output_rel"`` divides by Σ_t ‖h_{l+1}‖².
+  forward per (unit, candidate). ``"output_rel"`` divides by Σ_t ‖h_{l+1}‖².
 * ``"loss"`` — Σ over u's linears of ½ tr(ΔW H ΔWᵀ) (GPTQ's objective, undamped); free.
 
 How well each proxy ranks like the KL on SmolLM2 is measured in benchmarks/quant.py
@@ -27,8 +32,9 @@ does best there and is the command's default, while ``"loss"`` (free) ranks the 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -39,7 +45,7 @@ from calibrate.capture import BlockRun, run_blocks
 from calibrate.data import CalibSet
 from compress.arch import arch_for
 from compress.errors import LayercutError
-from compress.quant.allocate import Unit
+from compress.quant.allocate import Unit, candidate_label
 from compress.quant.gptq import SUPPORTED_BITS
 from compress.quant.stage import (
     GROUP_LABELS,
@@ -53,6 +59,7 @@ from compress.quant.stage import (
 )
 
 METHODS = ("kl", "output", "output_rel", "loss")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -65,10 +72,16 @@ class AllocUnit:
     linears: tuple[str, ...]  # full linear names
     n_weights: int
     n_rows: int  # Σ out_features: the (group, row) pairs when group_size = -1
+    in_features: tuple[int, ...] = ()  # of each linear: the group sizes that fit divide all
 
-    def to_unit(self, delta: dict[int, float], group_size: int) -> Unit:
-        """The allocator's :class:`~compress.quant.allocate.Unit` with sensitivities ``delta``."""
-        return Unit(self.name, self.n_weights, delta, n_groups=self.n_rows if group_size == -1 else None)
+    def fits(self, group_size: int) -> bool:
+        return group_size == -1 or all(k % group_size == 0 for k in self.in_features)
+
+    def to_unit(self, delta: dict, group_size: int = -1) -> Unit:
+        """The allocator's :class:`~compress.quant.allocate.Unit` with sensitivities ``delta``
+        (keyed by (bits, group size), or by bits at ``group_size``)."""
+        return Unit(self.name, self.n_weights, delta, n_groups=self.n_rows if group_size == -1 else None,
+                    n_rows=self.n_rows, in_features=self.in_features)
 
 
 def allocation_units(model: nn.Module, unit: str = "layer") -> list[AllocUnit]:
@@ -91,28 +104,36 @@ def allocation_units(model: nn.Module, unit: str = "layer") -> list[AllocUnit]:
             if unit == "group":
                 label += "." + (GROUP_LABELS[gs[0]] if n_groups == len(GROUP_LABELS) else f"g{gs[0]}")
             units.append(AllocUnit(label, i, gs, tuple(n for n, _ in items),
-                                   sum(o * k for o, k in shapes), sum(o for o, _ in shapes)))
+                                   sum(o * k for o, k in shapes), sum(o for o, _ in shapes),
+                                   tuple(k for _, k in shapes)))
     return units
 
 
-def expand_bits(units: Sequence[AllocUnit], unit_bits: dict[str, int]) -> dict[str, int]:
-    """Per-unit bits -> per-linear bits (full linear names)."""
+def expand_bits(units: Sequence[AllocUnit], unit_bits: Mapping[str, T]) -> dict[str, T]:
+    """Per-unit bits (or (bits, group size) pairs) -> per-linear (full linear names)."""
     return {name: unit_bits[u.name] for u in units for name in u.linears}
+
+
+def _key(c) -> str:
+    return candidate_label(c) if isinstance(c, tuple) else str(c)
 
 
 @dataclass
 class SensitivityTable:
-    """Δ_u(b) per unit and bits for the primary method, and every other method computed."""
+    """Δ_u(c) per unit and candidate for the primary method, and every other method computed.
+
+    Keys are (bits, group size) pairs, or bits when the candidates were given as bits."""
 
     method: str
-    delta: dict[str, dict[int, float]]
-    by_method: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)
+    delta: dict[str, dict]
+    by_method: dict[str, dict[str, dict]] = field(default_factory=dict)
     seconds: float = 0.0
     tokens: int = 0
 
     def to_dict(self) -> dict:
+        """JSON-ready: candidates as ``"3g64"`` / ``"4ch"`` (or ``"3"`` for bare bits)."""
         return {"method": self.method, "seconds": self.seconds, "tokens": self.tokens,
-                "by_method": {m: {u: {str(b): v for b, v in d.items()} for u, d in t.items()}
+                "by_method": {m: {u: {_key(c): v for c, v in d.items()} for u, d in t.items()}
                               for m, t in self.by_method.items()}}
 
 
@@ -147,29 +168,34 @@ def measure_sensitivity(
     model: nn.Module,
     calib: CalibSet,
     units: Sequence[AllocUnit],
-    candidates: Sequence[int],
+    candidates: Sequence[int] | Sequence[tuple[int, int]],
     cfg: QuantConfig,
     methods: Sequence[str] = ("output",),
     batch_size: int = 8,
     device: str | torch.device | None = None,
     progress: bool = True,
 ) -> SensitivityTable:
-    """Δ_u(b) for every unit and candidate bit width (see module doc for ``methods``).
+    """Δ_u(c) for every unit and candidate (see module doc for ``candidates`` and ``methods``).
 
     The model is left unchanged. ``calib`` [N, L] should be small (a few dozen
-    sequences): the "output" proxy costs |B|·(units per layer) block forwards per layer,
-    "kl" one full-model forward per (unit, bits).
+    sequences): the "output" proxy costs |C|·(units per layer) block forwards per layer,
+    "kl" one full-model forward per (unit, candidate).
     """
     methods = list(dict.fromkeys(methods))
     bad = [m for m in methods if m not in METHODS]
     if not methods or bad:
         raise LayercutError(f"sensitivity: methods must be among {METHODS}, got {methods}")
-    cands = sorted(set(candidates))
-    if not cands or any(b not in SUPPORTED_BITS for b in cands):
-        raise LayercutError(f"quantize: candidate bits must be among {SUPPORTED_BITS}, got {list(candidates)}")
-    check_model(model, cfg)
-    if "kl" in methods and device is not None and torch.device(device) != next(model.parameters()).device:
-        raise LayercutError("sensitivity: 'kl' runs the whole model; put the model on the device instead of device=")
+    bare = all(isinstance(c, int) and not isinstance(c, bool) for c in candidates)
+    pairs = sorted({(int(c), cfg.group_size) if bare else (int(c[0]), int(c[1])) for c in candidates})
+    if not pairs or any(b not in SUPPORTED_BITS or (gs != -1 and gs <= 0) for b, gs in pairs):
+        raise LayercutError(f"quantize: candidate bits must be among {SUPPORTED_BITS} (group size -1 or positive), "
+                            f"got {list(candidates)}")
+    for c in pairs:
+        if not any(u.fits(c[1]) for u in units):
+            raise LayercutError(f"quantize: candidate {candidate_label(c)}: group size {c[1]} divides the input size "
+                                "of no unit")
+    key = (lambda c: c[0]) if bare else (lambda c: c)  # how the table is keyed
+    check_model(model, replace(cfg, group_size=-1))  # group sizes are checked per unit above
     spec = arch_for(model)
     by_block: dict[int, list[AllocUnit]] = {}
     for u in units:
@@ -196,16 +222,22 @@ def measure_sensitivity(
         names = [n for u in block_units for n in u.linears]
         original = {n: linear_weight(modules[n], spec.conv1d).detach().clone() for n in names}
         perturbed = False
-        for b in cands:
+        for c in pairs:
+            fitting = [u for u in block_units if u.fits(c[1])]
+            if not fitting:
+                continue
+            ccfg = replace(cfg, group_size=c[1])
             deq, loss = {}, {}
-            for g in sorted({group_of[n] for n in names}):  # one solve per fused group (shared H)
-                members = [n for n in names if group_of[n] == g]
+            fit_names = [n for u in fitting for n in u.linears]
+            for g in sorted({group_of[n] for n in fit_names}):  # one solve per fused group (shared H)
+                members = [n for n in fit_names if group_of[n] == g]
                 H = hs.get(g, ", ".join(members)).to(original[members[0]].device)
-                for n, res in zip(members, solve_group([original[n] for n in members], H, b, cfg)):
+                for n, res in zip(members, solve_group([original[n] for n in members], H, c[0], ccfg)):
                     deq[n], loss[n] = res.dequant, res.loss
-            for u in block_units:
+            k = key(c)
+            for u in fitting:
                 if "loss" in methods:
-                    table["loss"][u.name][b] = float(sum(loss[n] for n in u.linears))
+                    table["loss"][u.name][k] = float(sum(loss[n] for n in u.linears))
                 if not (forward_methods or "kl" in methods):
                     continue
                 for n in u.linears:
@@ -215,11 +247,11 @@ def measure_sensitivity(
                     outs = run.forward()
                     err = sum(_masked_sq(o, f, m) for o, f, m in zip(outs, fp_out, masks)) / n_tok
                     if "output" in methods:
-                        table["output"][u.name][b] = err
+                        table["output"][u.name][k] = err
                     if "output_rel" in methods:
-                        table["output_rel"][u.name][b] = err / fp_energy
+                        table["output_rel"][u.name][k] = err / fp_energy
                 if "kl" in methods:
-                    table["kl"][u.name][b] = _mean_kl(model, calib, ref, batch_size)
+                    table["kl"][u.name][k] = _mean_kl(model, calib, ref, batch_size)
                 for n in u.linears:
                     set_weight(modules[n], original[n], spec.conv1d)
         if perturbed:

@@ -5,6 +5,7 @@ Run it::
     from compress.quant.stage import QuantConfig, quantize_model
     cfg = QuantConfig(bits=4, group_size=64)                    # asym, GPTQ, damp 0.01
     result = quantize_model(model, calib, cfg, bits={"model.layers.3.mlp.down_proj": 8})
+    result = quantize_model(model, calib, cfg, bits={"model.layers.3.mlp.down_proj": (3, -1)})  # (bits, gs)
     result.layers["model.layers.0.self_attn.q_proj"].tensors    # packed GPTQ v1 tensors
 
 or ``layercut quantize MODEL -o OUT --bits 4`` (the stage: compress/stages/quantize.py).
@@ -31,7 +32,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -104,6 +105,10 @@ class QuantizeResult:
     def bits(self) -> dict[str, int]:
         return {n: q.bits for n, q in self.layers.items()}
 
+    def configs(self) -> dict[str, tuple[int, int]]:
+        """(bits, group size) per quantized linear; group size -1 = one group per row."""
+        return {n: (q.bits, q.group_size) for n, q in self.layers.items()}
+
     def avg_bits(self) -> float:
         """Stored bits per quantized weight, scales (fp16) and packed zeros included."""
         total = sum(q.in_features * q.out_features for q in self.layers.values())
@@ -142,15 +147,33 @@ def is_quantized_model(model: nn.Module) -> bool:
     return any(hasattr(m, "qweight") for m in model.modules())
 
 
+def linear_plan(
+    cfg: QuantConfig, bits: Mapping[str, int | tuple[int, int]] | None, names
+) -> dict[str, tuple[int, int]]:
+    """(bits, group size) of each of ``names``: ``bits[name]`` (a width, at ``cfg.group_size``,
+    or a pair), else (``cfg.bits``, ``cfg.group_size``)."""
+    bits = bits or {}
+    out = {}
+    for name in names:
+        v = bits.get(name, cfg.bits)
+        out[name] = (int(v[0]), int(v[1])) if isinstance(v, (tuple, list)) else (int(v), cfg.group_size)
+    return out
+
+
+def _label(c: tuple[int, int]) -> str:
+    return f"{c[0]}-bit per channel" if c[1] == -1 else f"{c[0]}-bit g{c[1]}"
+
+
 def check_model(
-    model: nn.Module, cfg: QuantConfig, bits: Mapping[str, int] | None = None
+    model: nn.Module, cfg: QuantConfig, bits: Mapping[str, int | tuple[int, int]] | None = None
 ) -> list[tuple[int, int, str, nn.Module]]:
     """Validate everything quantization needs before any work; return the target linears.
 
-    Refuses: an already-quantized model; bits outside {2,3,4,8} (default or per layer);
-    per-layer bits naming no target linear; a group size that does not divide some
-    linear's in_features (no silent per-layer fallback: pick a divisor, or -1); weights
-    with NaN/Inf.
+    ``bits`` maps linear names to a width (at ``cfg.group_size``) or a (bits, group size)
+    pair. Refuses: an already-quantized model; bits outside {2,3,4,8} (default or per
+    layer); per-layer entries naming no target linear; fused projections with different
+    configurations; a group size that does not divide its linear's in_features (no silent
+    per-layer fallback: pick a divisor, or -1); weights with NaN/Inf.
     """
     cfg.check()
     if is_quantized_model(model):
@@ -159,25 +182,32 @@ def check_model(
     spec = arch_for(model)
     targets = target_linears(model, spec)
     names = {name for _, _, name, _ in targets}
-    for name, b in (bits or {}).items():
+    for name in bits or {}:
         if name not in names:
             raise LayercutError(f"quantize: per-layer bits name '{name}', which is not a quantizable linear")
+    plan = linear_plan(cfg, bits, [name for _, _, name, _ in targets])
+    for name, (b, gs) in plan.items():
         if b not in SUPPORTED_BITS:
             raise LayercutError(f"quantize: bits for {name} must be one of {SUPPORTED_BITS}, got {b}")
-    group_bits: dict[tuple[int, int], set[int]] = {}
+        if gs != -1 and gs <= 0:
+            raise LayercutError(f"quantize: group size for {name} must be -1 or positive, got {gs}")
+    group_cfg: dict[tuple[int, int], set[tuple[int, int]]] = {}
     for i, g, name, _ in targets:
-        group_bits.setdefault((i, g), set()).add((bits or {}).get(name, cfg.bits))
-    for (i, g), widths in group_bits.items():
-        if len(widths) > 1:
-            raise LayercutError(f"quantize: layer {i}: {', '.join(spec.groups[g])} get bits {sorted(widths)}; "
-                                "projections that servers fuse must share one bit width")
+        group_cfg.setdefault((i, g), set()).add(plan[name])
+    for (i, g), pairs in group_cfg.items():
+        if len(pairs) > 1:
+            widths = sorted({b for b, _ in pairs})
+            what = f"bits {widths}" if len(widths) > 1 else f"configurations {sorted(map(_label, pairs))}"
+            raise LayercutError(f"quantize: layer {i}: {', '.join(spec.groups[g])} get {what}; "
+                                "projections that servers fuse must share one bit width and group size")
     for _, _, name, module in targets:
         if not hasattr(module, "weight") or module.weight.dim() != 2:
             raise LayercutError(f"quantize: {name} is not a dense linear layer ({type(module).__name__})")
         in_f = linear_weight(module, spec.conv1d).shape[1]
-        if cfg.group_size != -1 and in_f % cfg.group_size:
+        gs = plan[name][1]
+        if gs != -1 and in_f % gs:
             raise LayercutError(
-                f"quantize: group size {cfg.group_size} does not divide in_features={in_f} of {name}; "
+                f"quantize: group size {gs} does not divide in_features={in_f} of {name}; "
                 f"use a divisor of every layer's input size or -1"
             )
         if not module.weight.is_meta:  # a streamed model's blocks are checked at their turn
@@ -322,7 +352,7 @@ def quantize_model(
     model: nn.Module,
     calib: CalibSet | None,
     cfg: QuantConfig,
-    bits: Mapping[str, int] | None = None,
+    bits: Mapping[str, int | tuple[int, int]] | None = None,
     batch_size: int = 8,
     device: str | torch.device | None = None,
     progress: bool = True,
@@ -330,8 +360,9 @@ def quantize_model(
 ) -> QuantizeResult:
     """Quantize every target linear of ``model`` in place (weights ← dequantized GPTQ weights).
 
-    ``bits`` maps full linear names (``model.layers.3.mlp.down_proj``) to their bit width;
-    the rest get ``cfg.bits``. ``calib`` [N, L] tokens drive the Hessians (not needed for
+    ``bits`` maps full linear names (``model.layers.3.mlp.down_proj``) to their bit width
+    (at ``cfg.group_size``) or to a (bits, group size) pair; the rest get (``cfg.bits``,
+    ``cfg.group_size``). Fused projections must share one pair. ``calib`` [N, L] tokens drive the Hessians (not needed for
     RTN). ``device``: where each block runs and is solved (e.g. ``"cuda"``; default: the
     model's device). Returns the packed tensors of each linear for
     :func:`compress.quant.checkpoint.save_quantized`. ``after_block(run)`` is called once
@@ -339,7 +370,7 @@ def quantize_model(
     its packed tensors from ``result``.
     """
     targets = check_model(model, cfg, bits)
-    bits = dict(bits or {})
+    plan = linear_plan(cfg, bits, [name for _, _, name, _ in targets])
     spec = arch_for(model)
     result = QuantizeResult(config=cfg)
     start = time.perf_counter()
@@ -349,7 +380,8 @@ def quantize_model(
             W = linear_weight(module, spec.conv1d).detach()
             dev = torch.device(device) if device is not None else W.device
             t0 = time.perf_counter()
-            res = solve(W.to(dev), None, bits.get(name, cfg.bits), cfg)
+            b, gs = plan[name]
+            res = solve(W.to(dev), None, b, replace(cfg, group_size=gs))
             result.solve_seconds += time.perf_counter() - t0
             set_weight(module, res.dequant.to(W.device), spec.conv1d)
             result.layers[name] = _record(name, res, W)
@@ -377,7 +409,8 @@ def quantize_model(
                     check_finite(W, name)
                 t0 = time.perf_counter()
                 hs.H[g], H = None, H.to(Ws[0].device)  # the solve may overwrite H: nobody else holds it
-                parts = solve_group(Ws, H, bits.get(items[0][0], cfg.bits), cfg, overwrite_h=True)
+                b, gs = plan[items[0][0]]  # one pair per fused group (checked)
+                parts = solve_group(Ws, H, b, replace(cfg, group_size=gs), overwrite_h=True)
                 del H
                 result.solve_seconds += time.perf_counter() - t0
                 for (name, module), W, res in zip(items, Ws, parts):

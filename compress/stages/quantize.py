@@ -1,20 +1,29 @@
-"""The quantize stage: GPTQ (or RTN) with uniform bits, or bits chosen per layer under a budget.
+"""The quantize stage: GPTQ (or RTN) with uniform bits, or (bits, group size) chosen per unit under a budget.
 
 Run it::
 
     layercut quantize bundled:smollm2-135m -o q4 --bits 4 --group-size 64
-    layercut quantize MODEL -o mix --avg-bits 3.5 --candidates 2,3,4,8
+    layercut quantize MODEL -o mix --avg-bits 3.5                       # default candidate pairs
+    layercut quantize MODEL -o mix --avg-bits 3.5 --candidates 3g64,3g128,4g64,4ch,8ch
 
     from compress.stages.quantize import QuantizeConfig, quantize_model, run
     run(QuantizeConfig(bits=4), "bundled:smollm2-135m", "q4")
     model = quantize_model(model, tokenizer, QuantizeConfig(bits=4))   # in memory (weights fake-quantized)
 
-Writes a GPTQ v1 checkpoint (:mod:`compress.quant.checkpoint`); with ``avg_bits`` the bits
-of each unit (decoder layer, or fused group with ``unit="group"``) are chosen by
+Writes a GPTQ v1 checkpoint (:mod:`compress.quant.checkpoint`). With ``avg_bits`` each unit
+(a fused group qkv / o / gate_up / down with ``unit="group"``, the default, or a decoder
+layer) gets one (bits, group size) candidate, chosen by
 :func:`compress.quant.allocate.allocate_bits` from :mod:`compress.quant.sensitivity`'s
-measurements under the budget Σ C_u(b_u) ≤ X·Σ n_u, C_u(b) = n_u·(b + (16 + b)/gs)
-(scales and zeros counted), and ``allocation.json`` / ``allocation.png`` go into the
-checkpoint. Every option is validated before any work; the output appears atomically.
+measurements under the budget Σ C_u(c_u) ≤ X·Σ n_u, C_u(b, gs) = n_u·b + groups·(16 + b)
+(scales and zeros counted); candidates, the uniform baseline and the fallback check are
+:mod:`compress.quant.mixed`'s. The first ``sensitivity_samples`` calibration sequences
+measure the sensitivities; the fallback check then quantizes the uniform baseline too and
+writes it instead when the mixed model's KL to the float model is not lower on
+``sensitivity_samples`` further sequences drawn after the calibration windows' part of the
+text (disjoint from every sequence behind the Hessians and sensitivities); one line on
+stderr says when the baseline wins. ``allocation.json`` (and ``allocation.png`` when the
+mixed result is written) go into the checkpoint. Every option is validated before any
+work; the output appears atomically.
 """
 
 from __future__ import annotations
@@ -40,45 +49,68 @@ from compress.stages.base import (
     TextSpec,
     chat_template_option,
     device_option,
-    int_list,
     messages_field_option,
     strip_volatile,
     text_field_option,
 )
 
 SUPPORTED_BITS = (2, 3, 4, 8)  # compress.quant.gptq.SUPPORTED_BITS (checked equal in tests/test_recipe.py)
+MAX_DP_CELLS = 2_000_000  # exact DP up to this many budget cells (int8 choices: 2 MB per unit)
+
+
+def parse_candidates(value: str | list, group_size: int) -> list[tuple[int, int]]:
+    """``"3g64,4ch,8"`` or ``[4, "3g64"]`` -> (bits, group size) pairs; bare bits take ``group_size``.
+
+    >>> parse_candidates("3g64, 4ch,8", 64)
+    [(3, 64), (4, -1), (8, 64)]
+    """
+    from compress.quant.allocate import parse_candidate
+
+    items = value if isinstance(value, list) else [x for x in str(value).split(",") if x.strip()]
+    return list(dict.fromkeys(parse_candidate(x, group_size) for x in items))
 
 
 class QuantizeConfig(StageConfig, TextOptions):
     """Options of ``layercut quantize`` and of a recipe's ``quantize`` stage.
 
-    >>> QuantizeConfig(avg_bits=3.5, candidates=[2, 3, 4, 8]).candidate_list()
-    [2, 3, 4, 8]
+    >>> QuantizeConfig(avg_bits=3.5, candidates="3g64,4ch,8").candidate_pairs()
+    [(3, 64), (4, -1), (8, 64)]
     """
 
-    help: ClassVar[str] = "GPTQ (or round-to-nearest) with uniform bits or bits chosen per layer under a budget"
+    help: ClassVar[str] = ("GPTQ (or round-to-nearest) with uniform bits, or bits and group size chosen per unit "
+                           "under a budget")
     examples: ClassVar[tuple[str, ...]] = (
         "layercut quantize bundled:smollm2-135m -o q4 --bits 4 --group-size 64",
-        "layercut quantize ./pruned -o mixed --avg-bits 3.5 --candidates 3,4,8",
+        "layercut quantize ./pruned -o mixed --avg-bits 3.5 --candidates 3g64,3g128,4g64,4ch,8ch",
     )
 
     stage: Literal["quantize"] = "quantize"
     bits: int | None = Field(None, description="uniform bits per weight: 2, 3, 4 or 8 (give this or --avg-bits)",
                              json_schema_extra={"metavar": "B"})
     avg_bits: float | None = Field(None, gt=0, description="average bits per weight to spend, scales and zeros "
-                                                           "included; bits are then chosen per layer",
+                                                           "included; bits and group size are then chosen per unit",
                                    json_schema_extra={"metavar": "X"})
-    candidates: str | list[int] = Field("2,3,4,8", description="bit widths the per-layer choice picks from",
-                                        json_schema_extra={"metavar": "LIST"})
-    unit: Literal["layer", "group"] = Field("layer", description="what gets one bit width: a decoder layer, or "
-                                                                 "each group of linears sharing an input")
+    candidates: str | list[int | str] | None = Field(
+        None, description="(bits, group size) pairs the per-unit choice picks from: 3g64 = 3 bits in groups of 64 "
+                          "columns, 4ch = 4 bits with one group per row, a bare 4 = 4 bits at --group-size; "
+                          "none = 3ch,3g128,3g64,3g32,4ch,4g128,4g64,8ch, plus 2g64,2g32 when the budget is "
+                          "below uniform 3ch", json_schema_extra={"metavar": "LIST"})
+    unit: Literal["layer", "group"] = Field("group", description="what gets one configuration: each group of "
+                                                                 "linears sharing an input (fused by servers), or "
+                                                                 "a whole decoder layer")
     sensitivity: Literal["loss", "output", "output_rel", "kl"] = Field(
-        "output", description="how much each unit suffers at each width: GPTQ's own layer loss (no extra "
+        "output", description="how much each unit suffers at each candidate: GPTQ's own layer loss (no extra "
                               "passes), the block output error (absolute or relative), or the model's KL "
                               "(exact, slow)")
-    sensitivity_samples: int = Field(16, ge=1, description="calibration sequences used to measure sensitivity")
+    sensitivity_samples: int = Field(16, ge=1, description="calibration sequences used to measure sensitivity; as "
+                                                           "many more, held apart, judge the fallback check")
+    fallback_check: bool = Field(True, description="also quantize the uniform baseline (the costliest candidate "
+                                                   "that fits the budget uniformly) and write it instead when the "
+                                                   "mixed result's KL to the float model is not lower on held-apart "
+                                                   "calibration sequences (about doubles the run time)")
     group_size: int = Field(64, description="columns sharing one scale and zero point, -1 for one per row; "
-                                            "must divide every layer's input size")
+                                            "must divide every layer's input size (with --avg-bits: the group "
+                                            "size of bare candidate bits)")
     sym: bool = Field(False, description="symmetric quantization (no zero point)")
     act_order: bool = Field(True, description="quantize columns in order of decreasing input energy")
     static_groups: bool = Field(True, description="fix each group's scale and zero from the original weight "
@@ -110,91 +142,135 @@ class QuantizeConfig(StageConfig, TextOptions):
             raise ValueError("give exactly one of bits (uniform) or avg_bits (allocated per unit)")
         if self.bits is not None and self.bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {', '.join(map(str, SUPPORTED_BITS))}, got {self.bits}")
-        cands = self.candidate_list()
-        if not cands or any(b not in SUPPORTED_BITS for b in cands):
-            raise ValueError(f"candidates must be among {', '.join(map(str, SUPPORTED_BITS))}, got {self.candidates}")
         if self.group_size != -1 and self.group_size <= 0:
             raise ValueError(f"group_size must be -1 (one group per row) or positive, got {self.group_size}")
+        cands = self.candidate_pairs()
+        if cands is not None and (not cands or any(b not in SUPPORTED_BITS for b, _ in cands)):
+            raise ValueError(f"candidates must be among {', '.join(map(str, SUPPORTED_BITS))} bits, got "
+                             f"{self.candidates}")
+        if cands is not None and any(g != -1 and g <= 0 for _, g in cands):
+            raise ValueError(f"candidates: group sizes must be -1 (ch) or positive, got {self.candidates}")
         return self
 
     def candidate_list(self) -> list[int]:
-        return sorted(set(int_list(self.candidates, "candidates")))
+        """The candidate bit widths (of the listed pairs, or of the default set); kept for callers of
+        the bits-only form — the allocation works on :meth:`candidate_pairs`."""
+        from compress.quant.allocate import DEFAULT_CANDIDATES
+
+        return sorted({b for b, _ in (self.candidate_pairs() or DEFAULT_CANDIDATES)})
+
+    def candidate_pairs(self) -> list[tuple[int, int]] | None:
+        """The listed (bits, group size) pairs; None = the default set (resolved per model)."""
+        return None if self.candidates is None else parse_candidates(self.candidates, self.group_size)
 
     def core(self):
         """The solver's settings (:class:`compress.quant.stage.QuantConfig`)."""
         from compress.quant.stage import QuantConfig
 
-        return QuantConfig(bits=self.bits or max(self.candidate_list()), group_size=self.group_size, sym=self.sym,
+        return QuantConfig(bits=self.bits or 4, group_size=self.group_size, sym=self.sym,
                            act_order=self.act_order, static_groups=self.static_groups, group_aware=self.group_aware,
                            method=self.method, damp=self.damp, sequential=self.sequential)
 
 
 def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = True, after_block=None):
-    """The shared core: allocate bits (with ``avg_bits``) and quantize ``net`` in place.
+    """The shared core: choose (bits, group size) per unit (with ``avg_bits``) and quantize ``net`` in place.
 
-    Returns (QuantizeResult, report, allocation or None, allocation.json text or None).
+    Returns (QuantizeResult, report, allocation or None, allocation.json text or None); the
+    allocation is None for uniform bits and when the fallback check kept the uniform baseline.
     """
+    import sys
+    from dataclasses import replace
+
     from calibrate.data import CalibSet, calibration_batch
-    from compress.errors import LayercutError
-    from compress.quant.allocate import allocate_bits, uniform_avg_bits
+    from compress.quant.allocate import allocate_bits, candidate_label, uniform_candidates
+    from compress.quant.mixed import fallback_check, float_weights, held_apart, resolve_candidates
     from compress.quant.sensitivity import allocation_units, expand_bits, measure_sensitivity
     from compress.quant.stage import check_model, quantize_model
 
-    cfg, cands, gs = config.core(), config.candidate_list(), config.group_size
+    cfg, gs = config.core(), config.group_size
     cfg.check()
-    check_model(net, cfg)
-    units = allocation_units(net, config.unit)
-    if config.avg_bits is not None:
-        table = [u.to_unit({b: 0.0 for b in cands}, gs) for u in units]
-        floor = uniform_avg_bits(table, cands[0], gs)
-        if config.avg_bits < floor * (1 - 1e-12):
-            raise LayercutError(f"quantize: --avg-bits {config.avg_bits} is below the smallest candidate: every "
-                                f"unit at {cands[0]} bits with group size {gs} already costs {floor:.4f} bits/weight")
-    calib = calibration_batch(tokenizer, config.text_sources(), samples=config.samples, seq_len=config.seq_len,
-                              seed=seed)
+    mixed = config.avg_bits is not None
+    check_model(net, replace(cfg, group_size=-1) if mixed else cfg)  # mixed: group sizes are checked per unit
+    device = resolve_device(config.device)
+    sym = "symmetric" if config.sym else "asymmetric"
     report: dict = {"method": config.method, "group_size": gs, "sym": config.sym, "act_order": config.act_order,
                     "static_groups": config.static_groups, "group_aware": config.group_aware,
                     "sequential": config.sequential, "damp": config.damp, "calib": config.text_label(),
                     "samples": config.samples, "seq_len": config.seq_len}
-    linear_bits: dict[str, int] = {}
-    alloc = alloc_json = None
-    if config.avg_bits is not None:
-        n = config.sensitivity_samples
-        sub = CalibSet(calib.input_ids[:n], calib.attention_mask[:n])
-        sens = measure_sensitivity(net, sub, units, cands, cfg, methods=(config.sensitivity,),
-                                   batch_size=config.batch_size, device=resolve_device(config.device), progress=progress)
-        alloc_units = [u.to_unit(sens.delta[u.name], gs) for u in units]
-        alloc = allocate_bits(alloc_units, config.avg_bits, group_size=gs, candidates=cands)
-        linear_bits = expand_bits(units, alloc.bits)
-        report.update(avg_bits_budget=config.avg_bits, candidates=cands, unit=config.unit,
-                      sensitivity=config.sensitivity, sensitivity_samples=n, sensitivity_seconds=sens.seconds,
-                      bits_histogram=alloc.histogram(), predicted_delta=alloc.total_delta,
-                      uniform_avg_bits={b: uniform_avg_bits(alloc_units, b, gs) for b in cands})
-        alloc_json = json.dumps(strip_volatile({
-            "budget_avg_bits": config.avg_bits, "avg_bits": alloc.avg_bits, "method": alloc.method,
-            "group_size": gs, "candidates": cands, "unit": config.unit, "sensitivity": sens.to_dict(),
-            "units": [{"name": u.name, "linears": list(u.linears), "n_weights": u.n_weights,
-                       "bits": alloc.bits[u.name],
-                       "delta": {str(b): v for b, v in sens.delta[u.name].items()}} for u in units],
-        }), indent=2) + "\n"
-    else:
-        report["bits"] = config.bits
-    result = quantize_model(net, calib if config.method == "gptq" else None, cfg, linear_bits,
-                            batch_size=config.batch_size, device=resolve_device(config.device), progress=progress,
-                            after_block=after_block)
+    if not mixed:
+        calib = calibration_batch(tokenizer, config.text_sources(), samples=config.samples, seq_len=config.seq_len,
+                                  seed=seed)
+        result = quantize_model(net, calib if config.method == "gptq" else None, cfg, batch_size=config.batch_size,
+                                device=device, progress=progress, after_block=after_block)
+        report.update(bits=config.bits, avg_bits=result.avg_bits(), quantize_seconds=result.seconds,
+                      solve_seconds=result.solve_seconds, linears=len(result.layers), tokens=result.tokens,
+                      bits_per_layer={"all linears": config.bits},
+                      description=f"{config.method.upper()} ({sym}, group size {gs}), {config.bits} bits,")
+        return result, report, None, None
+
+    units = allocation_units(net, config.unit)
+    table = [u.to_unit({}) for u in units]  # costs and fits only
+    cands, baseline = resolve_candidates(table, config.avg_bits, config.candidate_pairs(), config.fallback_check)
+    n = config.sensitivity_samples
+    calib = calibration_batch(tokenizer, config.text_sources(), samples=config.samples, seq_len=config.seq_len,
+                              seed=seed)  # Hessians
+    sub = CalibSet(calib.input_ids[:n], calib.attention_mask[:n])  # sensitivities
+    sens = measure_sensitivity(net, sub, units, cands, cfg, methods=(config.sensitivity,),
+                               batch_size=config.batch_size, device=device, progress=progress)
+    alloc_units = [u.to_unit(sens.delta[u.name]) for u in units]
+    alloc = allocate_bits(alloc_units, config.avg_bits, candidates=cands, max_cells=MAX_DP_CELLS)
+    plan = expand_bits(units, alloc.choice)
+    check = config.fallback_check and set(alloc.choice.values()) != {baseline}
+    fp = float_weights(net) if check else None
+    result = quantize_model(net, calib if config.method == "gptq" else None, cfg, plan,
+                            batch_size=config.batch_size, device=device, progress=progress)
+    verdict = None
+    if check:
+        held, how = held_apart(tokenizer, config.text_sources(), n, config.seq_len, seed, config.samples)
+        uniform_plan = {name: baseline for name in plan}
+        verdict, result = fallback_check(net, calib if config.method == "gptq" else None, held, cfg, fp, result,
+                                         uniform_plan, batch_size=config.batch_size, device=device,
+                                         progress=progress)
+        verdict.data = how
+        del fp
+    kept = "uniform" if verdict is not None and verdict.keep == "uniform" else "mixed"
+    base_label = candidate_label(baseline) if baseline is not None else None
+    labels = ",".join(map(candidate_label, cands))
+    if kept == "uniform":
+        print(f"quantize: the mixed allocation did not beat uniform {base_label} on {verdict.samples} held-apart "
+              f"sequences (KL {verdict.kl_mixed:.4g} vs {verdict.kl_uniform:.4g}): writing the uniform baseline",
+              file=sys.stderr)
+    fallback = verdict.to_dict() if verdict is not None else {
+        "checked": False, "why": "switched off" if not config.fallback_check else "the allocation is the baseline"}
+    report.update(avg_bits_budget=config.avg_bits, candidates=[candidate_label(c) for c in cands],
+                  baseline=base_label, unit=config.unit, sensitivity=config.sensitivity, sensitivity_samples=n,
+                  sensitivity_seconds=sens.seconds, bits_histogram=alloc.histogram(),
+                  config_histogram=alloc.pair_histogram(), predicted_delta=alloc.total_delta,
+                  allocated_avg_bits=alloc.avg_bits, fallback=fallback, written=kept,
+                  uniform_avg_bits={candidate_label(c): v for c, v in uniform_candidates(alloc_units, cands).items()})
+    alloc_json = json.dumps(strip_volatile({
+        "budget_avg_bits": config.avg_bits, "avg_bits": alloc.avg_bits, "method": alloc.method,
+        "candidates": report["candidates"], "baseline": base_label, "unit": config.unit, "written": kept,
+        "fallback": fallback, "sensitivity": sens.to_dict(),
+        "units": [{"name": u.name, "linears": list(u.linears), "n_weights": u.n_weights,
+                   "bits": alloc.bits[u.name], "group_size": alloc.group_size[u.name],
+                   "config": candidate_label(alloc.choice[u.name]),
+                   "delta": {candidate_label(c): v for c, v in sens.delta[u.name].items()}} for u in units],
+    }), indent=2) + "\n"
     report.update(avg_bits=result.avg_bits(), quantize_seconds=result.seconds, solve_seconds=result.solve_seconds,
                   linears=len(result.layers), tokens=result.tokens)
-    if alloc is not None:
-        report["unit_bits"] = alloc.bits
-    report["bits_per_layer"] = alloc.bits if alloc is not None else {"all linears": config.bits}
-    sym = "symmetric" if config.sym else "asymmetric"
-    if config.avg_bits is not None:
-        report["description"] = (f"{config.method.upper()} ({sym}, group size {gs}), bits per {config.unit} from "
-                                 f"{{{','.join(map(str, cands))}}} under a {config.avg_bits}-bit budget "
-                                 f"(sensitivity: {config.sensitivity}),")
+    if kept == "mixed":
+        report.update(unit_bits=alloc.bits, unit_group_size=alloc.group_size, bits_per_layer=alloc.labels())
     else:
-        report["description"] = f"{config.method.upper()} ({sym}, group size {gs}), {config.bits} bits,"
-    return result, report, alloc, alloc_json
+        report.update(unit_bits={u.name: baseline[0] for u in units},
+                      unit_group_size={u.name: baseline[1] for u in units},
+                      bits_per_layer={"all linears": base_label})
+    report["description"] = (
+        f"{config.method.upper()} ({sym}), bits and group size per {config.unit} from {{{labels}}} under a "
+        f"{config.avg_bits}-bit budget (sensitivity: {config.sensitivity})"
+        + (f", uniform {base_label} written as it won the fallback check," if kept == "uniform" else ",")
+    )
+    return result, report, (alloc if kept == "mixed" else None), alloc_json
 
 
 def quantize_model(model, tokenizer, config: QuantizeConfig, progress: bool = True):
@@ -246,7 +322,7 @@ def run(config: QuantizeConfig, source: str | Path, output: str | Path, env: Run
                              extra_files=extra)
         if alloc is not None:
             plot_allocation(alloc, Path(tmp) / "allocation.png",
-                            title=f"{config.unit} bits, budget {config.avg_bits} → {alloc.avg_bits:.3f} avg bits "
+                            title=f"{config.unit} bits (colour: group size), budget {config.avg_bits} → {alloc.avg_bits:.3f} avg bits "
                                   f"(sensitivity: {config.sensitivity})")
             report["checkpoint_plot"] = "allocation.png"  # travels inside the checkpoint (export keeps it)
     return {"model": str(source), "output": str(output), **report, "seconds": time.perf_counter() - start}
