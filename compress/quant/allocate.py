@@ -193,6 +193,14 @@ def _pair(c: int | Candidate, group_size: int | None) -> Candidate:
 # ----------------------------------------------------------------------- validation
 
 
+def require_fitting(cands: Sequence[Candidate], units: Sequence, who: str) -> None:
+    """Refuse a candidate whose group size divides the input size of none of ``units`` (anything with ``fits(gs)``)."""
+    for c in cands:
+        if not any(u.fits(c[1]) for u in units):
+            raise LayercutError(f"{who}: candidate {candidate_label(c)}: group size {c[1]} divides the input size "
+                                "of no unit")
+
+
 def _table(
     units: Sequence[Unit], candidates: Sequence[int | Candidate] | None, group_size: int
 ) -> tuple[list[Candidate], np.ndarray, list[list[int]]]:
@@ -214,10 +222,7 @@ def _table(
     if not cands or any(b <= 0 or (gs != -1 and gs <= 0) for b, gs in cands):
         raise LayercutError(f"allocate: candidate bits must be positive integers and group sizes -1 or positive, "
                             f"got {[candidate_label(c) for c in cands]}")
-    for c in cands:
-        if not any(u.fits(c[1]) for u in units):
-            raise LayercutError(f"allocate: candidate {candidate_label(c)}: group size {c[1]} divides the input size "
-                                "of no unit")
+    require_fitting(cands, units, "allocate")
     delta = np.full((len(units), len(cands)), np.inf)
     costs: list[list[int]] = []
     for i, u in enumerate(units):

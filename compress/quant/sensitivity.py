@@ -45,7 +45,7 @@ from calibrate.capture import BlockRun, run_blocks
 from calibrate.data import CalibSet
 from compress.arch import arch_for
 from compress.errors import LayercutError
-from compress.quant.allocate import Unit, candidate_label
+from compress.quant.allocate import Unit, candidate_label, require_fitting
 from compress.quant.gptq import SUPPORTED_BITS
 from compress.quant.stage import (
     GROUP_LABELS,
@@ -190,10 +190,7 @@ def measure_sensitivity(
     if not pairs or any(b not in SUPPORTED_BITS or (gs != -1 and gs <= 0) for b, gs in pairs):
         raise LayercutError(f"quantize: candidate bits must be among {SUPPORTED_BITS} (group size -1 or positive), "
                             f"got {list(candidates)}")
-    for c in pairs:
-        if not any(u.fits(c[1]) for u in units):
-            raise LayercutError(f"quantize: candidate {candidate_label(c)}: group size {c[1]} divides the input size "
-                                "of no unit")
+    require_fitting(pairs, units, "quantize")
     key = (lambda c: c[0]) if bare else (lambda c: c)  # how the table is keyed
     check_model(model, replace(cfg, group_size=-1))  # group sizes are checked per unit above
     spec = arch_for(model)
