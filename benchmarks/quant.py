@@ -103,6 +103,19 @@ ROWS: dict[str, dict] = {
     "mixed-layer": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "layer", "sym": False},
     # not run by default (--only NAME): more settings
     "mixed-group": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "group", "sym": False},
+    # issue 12: (bits, group size) per fused unit from the default candidates, sensitivity 'loss', the
+    # fallback check on (the command's defaults), at three budgets; each against the best uniform config
+    # whose bytes fit (3-bit g64 for the first two, 2-bit g64 for 2.5)
+    "mixed-3.297": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "group", "sym": False,
+                    "sensitivity": "loss", "seeds": True},
+    "mixed-3.5": {"kind": "ours", "method": "gptq", "avg_bits": 3.5, "unit": "group", "sym": False,
+                  "sensitivity": "loss", "seeds": True},
+    "mixed-2.5": {"kind": "ours", "method": "gptq", "avg_bits": 2.5, "unit": "group", "sym": False,
+                  "sensitivity": "loss", "seeds": True},
+    "layercut-2-asym": {"kind": "ours", "method": "gptq", "bits": 2, "sym": False, "seeds": True},
+    # the previous default proxy, for its cost and result (seed 0)
+    "mixed-3.297-output": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "group",
+                           "sym": False, "sensitivity": "output"},
     "layercut-4-sym": {"kind": "ours", "method": "gptq", "bits": 4, "sym": True},
     "gptqmodel-4-sym": {"kind": "gptqmodel", "bits": 4, "sym": True, "matched": True},
     "layercut-3-asym-linear": {"kind": "ours", "method": "gptq", "bits": 3, "sym": False, "sequential": "linear"},
@@ -112,7 +125,8 @@ ROWS: dict[str, dict] = {
 # the test split reports; the column-order rows are the choice, made on the validation split
 TEST_ROWS = ["fp32", "rtn-4-asym", "rtn-3-asym", "layercut-4-asym", "gptqmodel-4-asym", "layercut-3-asym",
              "gptqmodel-3-asym", "gptqmodel-4-asym-defaults", "gptqmodel-3-asym-defaults", "rtn-4-sym", "rtn-3-sym",
-             "sensitivity", "mixed-layer"]
+             "sensitivity", "mixed-layer", "layercut-2-asym", "mixed-3.297", "mixed-3.5", "mixed-2.5",
+             "mixed-3.297-output"]
 VAL_ROWS = ["fp32", "layercut-4-asym", "layercut-4-asym-gar", "layercut-4-asym-natural"]
 
 
@@ -256,6 +270,10 @@ def child_ours(args, work: Path, name: str, spec: dict, seed: int) -> dict:
     if "unit_bits" in report:
         row.update(unit_bits=report["unit_bits"], bits_histogram=report["bits_histogram"], sensitivity=sens,
                    sensitivity_s=report["sensitivity_seconds"])
+    if "config_histogram" in report:  # (bits, group size) allocation: what was chosen and what was written
+        row.update(config_histogram=report["config_histogram"], written=report["written"],
+                   fallback=report["fallback"], allocated_avg_bits=report["allocated_avg_bits"],
+                   unit_group_size=report["unit_group_size"])
     row.update(_evaluate(_load_for_eval(out), load_tokenizer(MODEL), args, work))
     return row
 

@@ -224,12 +224,14 @@ def run_blocks(
             call_args=[to_device(a, device) for a in call_args[index]],
             num_blocks=len(layers),
         )
-        for callback in callbacks:
-            callback(run)
-        hidden = run.outputs()
-        if lazy is not None:
-            lazy.release(lazy.block_path(index))
-        elif device != home:
-            block.to(home)
+        try:
+            for callback in callbacks:
+                callback(run)
+            hidden = run.outputs()
+        finally:  # a callback that raises leaves the block where it was and releases a streamed one
+            if lazy is not None:
+                lazy.release(lazy.block_path(index))
+            elif device != home:
+                block.to(home)
         call_args[index] = []  # free this block's masks / rotary tensors early
     return hidden

@@ -72,6 +72,19 @@ def test_driver_holds_one_block_at_a_time(tiny_model_dir, calib):
     assert all(p.is_meta for block in layers for p in block.parameters()), "every block released"
 
 
+def test_driver_releases_the_block_when_a_callback_raises(tiny_model_dir, calib):
+    lazy = LazyModel(tiny_model_dir("llama"))
+    layers = lazy.spec.layers_of(lazy.model)
+
+    def fail_at_1(run):
+        if run.index == 1:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        run_blocks(lazy.model, calib, [fail_at_1], batch_size=3, progress=False)
+    assert all(p.is_meta for block in layers for p in block.parameters()), "the failing block was released"
+
+
 def test_lazy_driver_outputs_equal_in_memory(tiny_model_dir, calib):
     from compress.models import load_model
 
