@@ -609,6 +609,8 @@ def main() -> None:
                     help="evaluation text (default %(default)s; bundled:brown-val to choose defaults)")
     ap.add_argument("--damp", type=float, default=0.01, help="damping for every matched row (default %(default)s)")
     ap.add_argument("--seeds", default="0,1,2", help="calibration seeds for the rows marked 'seeds'")
+    ap.add_argument("--run-seeds", help="run only these of --seeds now (e.g. 0 first for every row, the "
+                                        "other seeds in a later call); the setup keeps --seeds")
     ap.add_argument("--only", help="comma-separated row names (default: the split's row set, in order)")
     ap.add_argument("--redo", action="store_true", help="re-run rows already in the JSON")
     ap.add_argument("--restart", action="store_true", help="discard the JSON's rows and setup; start afresh")
@@ -650,7 +652,8 @@ def main() -> None:
     if "fp32" not in names and not _ref_file(args, work).is_file():
         names = ["fp32", *names]
     for name in names:
-        for seed in (seeds if ROWS[name].get("seeds") else [0]):
+        now = [int(s) for s in args.run_seeds.split(",")] if args.run_seeds else seeds
+        for seed in ([s for s in seeds if s in now] if ROWS[name].get("seeds") else [0] if 0 in now else []):
             key = run_key(name, seed)
             ref_missing = name == "fp32" and not _ref_file(args, work).is_file()
             if key in data["runs"] and not args.redo and not ref_missing:

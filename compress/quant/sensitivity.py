@@ -22,11 +22,13 @@ re-solved on the same Hessian for every c, Hessians from the float inputs), by o
   forward per (unit, candidate). ``"output_rel"`` divides by Σ_t ‖h_{l+1}‖².
 * ``"loss"`` — Σ over u's linears of ½ tr(ΔW H ΔWᵀ) (GPTQ's objective, undamped); free.
 
-How well each proxy ranks like the KL on SmolLM2 is measured in benchmarks/quant.py
-(:func:`rank_correlation`) and reported in docs/results-quant.md. On SmolLM2 all three
-proxies rank layers only weakly like the KL at a fixed width (Spearman ≤ 0.3); ``"output"``
-does best there and is the command's default, while ``"loss"`` (free) ranks the *gains*
-Δ(b) − Δ(b+1) a little better. Use ``"kl"`` when the forwards are affordable.
+How well the cheap measures rank like the exact KL table on SmolLM2 is measured in
+benchmarks/sensitivity_estimators.py against benchmarks/sensitivity_exact.py's table and
+reported in docs/results-mixed.md: across units at one fixed trade, Spearman 0.1–0.5 (the
+exact table agrees with itself on other tokens at only 0.48). Scored by the exact table,
+the DP run on ``"loss"`` comes closest to the exact DP, and ``"loss"`` costs no forwards, so it
+is the command's default; ``"output"`` costs one block forward per unit and candidate. Use
+``"kl"`` when the forwards are affordable.
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ def measure_sensitivity(
     units: Sequence[AllocUnit],
     candidates: Sequence[int] | Sequence[tuple[int, int]],
     cfg: QuantConfig,
-    methods: Sequence[str] = ("output",),
+    methods: Sequence[str] = ("loss",),
     batch_size: int = 8,
     device: str | torch.device | None = None,
     progress: bool = True,

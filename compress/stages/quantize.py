@@ -99,9 +99,10 @@ class QuantizeConfig(StageConfig, TextOptions):
                                                                  "linears sharing an input (fused by servers), or "
                                                                  "a whole decoder layer")
     sensitivity: Literal["loss", "output", "output_rel", "kl"] = Field(
-        "output", description="how much each unit suffers at each candidate: GPTQ's own layer loss (no extra "
-                              "passes), the block output error (absolute or relative), or the model's KL "
-                              "(exact, slow)")
+        "loss", description="how much each unit suffers at each candidate: GPTQ's own layer loss (no extra "
+                            "forwards; the default: it scored best of the cheap measures against the exact "
+                            "table and costs least), the block output error (absolute or relative; one block "
+                            "forward per unit and candidate), or the model's KL (exact, slow)")
     sensitivity_samples: int = Field(16, ge=1, description="calibration sequences used to measure sensitivity; as "
                                                            "many more, held apart, judge the fallback check")
     fallback_check: bool = Field(True, description="also quantize the uniform baseline (the costliest candidate "
