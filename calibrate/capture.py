@@ -24,6 +24,7 @@ activations (inputs and outputs) + whatever accumulators the stages keep.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,6 +177,14 @@ def capture_inputs(
     return first, sink
 
 
+def _put_back(block: nn.Module, index: int, lazy: Any, device: torch.device, home: torch.device) -> None:
+    """End a block's turn: a streamed block is released, a resident one moved back home."""
+    if lazy is not None:
+        lazy.release(lazy.block_path(index))
+    elif device != home:
+        block.to(home)
+
+
 @torch.no_grad()
 def run_blocks(
     model: nn.Module,
@@ -228,10 +237,10 @@ def run_blocks(
             for callback in callbacks:
                 callback(run)
             hidden = run.outputs()
-        finally:  # a callback that raises leaves the block where it was and releases a streamed one
-            if lazy is not None:
-                lazy.release(lazy.block_path(index))
-            elif device != home:
-                block.to(home)
+        except BaseException:  # the block still goes home (or is released); the callback's error is raised
+            with contextlib.suppress(Exception):
+                _put_back(block, index, lazy, device, home)
+            raise
+        _put_back(block, index, lazy, device, home)
         call_args[index] = []  # free this block's masks / rotary tensors early
     return hidden
