@@ -550,12 +550,14 @@ def mixed_findings(data: dict) -> list[str]:
         if not runs or not ref:
             continue
         ppl, ppl_ref = mean_of(data, name, "ppl"), mean_of(data, base, "ppl")
+        dlog = (statistics.fmean(math.log(r["ppl"]) for r in runs)
+                - statistics.fmean(math.log(r["ppl"]) for r in ref))  # mean log ppl over seeds
         written = ", ".join(f"seed {r.get('seed', 0)}: {r.get('written', '?')}" + (
             f" (held-apart KL mixed {r['fallback']['kl_mixed']:.4f} vs uniform {r['fallback']['kl_uniform']:.4f})"
             if isinstance(r.get("fallback"), dict) and "kl_mixed" in r["fallback"] else "") for r in runs)
         line = (f"{name} ({ROWS[name]['avg_bits']:.4g} bits/weight budget, sensitivity "
                 f"'{ROWS[name].get('sensitivity')}', {len(runs)} seed(s)): KL {spread([r.get('kl') for r in runs], '.4f')} "
-                f"vs {base} {spread([r.get('kl') for r in ref], '.4f')}; Δlog ppl {math.log(ppl / ppl_ref):+.4f} "
+                f"vs {base} {spread([r.get('kl') for r in ref], '.4f')}; Δ mean log ppl {dlog:+.4f} "
                 f"(ppl {ppl:.2f} vs {ppl_ref:.2f}); stored {spread([r.get('avg_bits') for r in runs], '.3f')} "
                 f"bits/weight; written: {written}")
         hist = runs[0].get("config_histogram")
