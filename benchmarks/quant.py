@@ -114,8 +114,8 @@ ROWS: dict[str, dict] = {
     "mixed-2.5": {"kind": "ours", "method": "gptq", "avg_bits": 2.5, "unit": "group", "sym": False,
                   "sensitivity": "loss", "seeds": True},
     "layercut-2-asym": {"kind": "ours", "method": "gptq", "bits": 2, "sym": False, "seeds": True},
-    # layercut-3-asym seed 0 again, run beside the mixed rows (same code and machine); see findings
-    "layercut-3-asym-rerun": {"kind": "ours", "method": "gptq", "bits": 3, "sym": False},
+    # layercut-3-asym again, run beside the mixed rows (same code and machine); see findings
+    "layercut-3-asym-rerun": {"kind": "ours", "method": "gptq", "bits": 3, "sym": False, "seeds": True},
     # the previous default proxy, for its cost and result (seed 0)
     "mixed-3.297-output": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "group",
                            "sym": False, "sensitivity": "output"},
