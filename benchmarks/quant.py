@@ -100,6 +100,15 @@ ROWS: dict[str, dict] = {
                             "static_groups": False, "group_aware": True, "seeds": True},
     "layercut-4-asym-natural": {"kind": "ours", "method": "gptq", "bits": 4, "sym": False, "act_order": False,
                                 "static_groups": False, "seeds": True},
+    # the solve's precision (issue 11: float32 halves the largest buffers), chosen on --text bundled:brown-val
+    "layercut-4-asym-solve32": {"kind": "ours", "method": "gptq", "bits": 4, "sym": False, "solve_dtype": "float32",
+                                "seeds": True},
+    "layercut-4-asym-solve64": {"kind": "ours", "method": "gptq", "bits": 4, "sym": False, "solve_dtype": "float64",
+                                "seeds": True},
+    "layercut-3-asym-solve32": {"kind": "ours", "method": "gptq", "bits": 3, "sym": False, "solve_dtype": "float32",
+                                "seeds": True},
+    "layercut-3-asym-solve64": {"kind": "ours", "method": "gptq", "bits": 3, "sym": False, "solve_dtype": "float64",
+                                "seeds": True},
     "sensitivity": {"kind": "sensitivity"},
     "mixed-layer": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "layer", "sym": False},
     # not run by default (--only NAME): more settings
@@ -261,12 +270,14 @@ def child_ours(args, work: Path, name: str, spec: dict, seed: int) -> dict:
         group_size=GS, sym=spec["sym"], method=spec["method"], sequential=spec.get("sequential", "block"),
         act_order=spec.get("act_order", True), static_groups=spec.get("static_groups", True),
         group_aware=spec.get("group_aware", False), damp=args.damp, calib=DEFAULT_CALIB_TEXT,
+        solve_dtype=spec.get("solve_dtype", "float32"),
         samples=args.samples, seq_len=args.seq_len, seed=seed, sensitivity=sens, progress=False, overwrite=True,
     )
     wall = time.perf_counter() - t0
     row = {"seed": seed, "wall_s": wall, "cpu_s": _cpu_s(), "peak_rss_mb": _peak_rss_mb(), **_checkpoint_stats(out),
            "calib_tokens": report.get("tokens", 0) if spec["method"] == "gptq" else 0,
            "damp": args.damp if spec["method"] == "gptq" else None, "compute_dtype": "float32",
+           "solve_dtype": spec.get("solve_dtype", "float32") if spec["method"] == "gptq" else None,
            "solve_s": report["solve_seconds"],
            "phases_s": {DRIVER: report["quantize_seconds"],
                         "solves": report["solve_seconds"], "load, calibration draw, write": wall - report["quantize_seconds"]}}
@@ -708,9 +719,10 @@ def main() -> None:
         names = ["fp32", *names]
     for name in names:
         now = [int(s) for s in args.run_seeds.split(",")] if args.run_seeds else seeds
-        for seed in ([s for s in seeds if s in now] if ROWS[name].get("seeds") else [0] if 0 in now else []):
+        ref_missing = name == "fp32" and not _ref_file(args, work).is_file()  # the others' reference logits
+        for seed in ([s for s in seeds if s in now] if ROWS[name].get("seeds") else
+                     [0] if 0 in now or ref_missing else []):
             key = run_key(name, seed)
-            ref_missing = name == "fp32" and not _ref_file(args, work).is_file()
             if key in data["runs"] and not args.redo and not ref_missing:
                 continue
             env = dict(os.environ, OMP_NUM_THREADS=THREADS, MKL_NUM_THREADS=THREADS)

@@ -282,3 +282,65 @@ def test_solve_group_overwrite_keeps_the_undamped_losses():
     assert [r.loss for r in ref] == [r.loss for r in res]
     assert all(torch.equal(a.q, b.q) for a, b in zip(ref, res))
     assert ref[0].loss == pytest.approx(layer_loss(W[:20], ref[0].dequant, H), rel=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_inverse_factor_equals_the_reference_route(dtype):
+    """U from one reversed factorization (two [in, in] buffers) is the reference route's
+    chol(inv(H + λI), upper) to rounding: UᵀU = (H + λI)⁻¹ and U is upper triangular."""
+    from compress.quant.gptq import _inverse_cholesky
+
+    _, _, H = _layer(13)
+    lam = 0.01 * float(H.diagonal().mean())
+    Hd = H + lam * torch.eye(IN, dtype=H.dtype)
+    ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(Hd)), upper=True)
+    U, d = _inverse_cholesky(H.to(dtype).clone(), 0.01)
+    assert d == 0.01 and U.dtype == dtype
+    assert torch.equal(U, U.triu())
+    tol = 1e-10 if dtype == torch.float64 else 2e-3
+    assert float((U.double() - ref).abs().max() / ref.abs().max()) < tol
+    assert torch.allclose(U.double().T @ U.double(), torch.linalg.inv(Hd), rtol=10 * tol, atol=10 * tol * float(
+        torch.linalg.inv(Hd).abs().max()))
+
+
+def test_float32_solve_matches_float64_within_rounding():
+    """The quantize stage's default float32 solve reaches the float64 solve's objective
+    (GPTQModel solves in float32 too); a wrong factor would be far off."""
+    W, _, H = _layer(14, out_f=64, in_f=256, n=4096)
+    r64 = gptq_quantize(W, H, 3, 32, act_order=True, static_groups=True)
+    r32 = gptq_quantize(W, H, 3, 32, act_order=True, static_groups=True, solve_dtype=torch.float32)
+    l64, l32 = layer_loss(W, r64.dequant, H), layer_loss(W, r32.dequant, H)
+    assert l32 == pytest.approx(l64, rel=0.02)
+    assert float((r32.q != r64.q).float().mean()) < 0.02  # a few codes flip at rounding ties, no more
+    with pytest.raises(LayercutError, match="solve_dtype"):
+        gptq_quantize(W, H, 3, 32, solve_dtype=torch.float16)
+
+
+def test_results_built_in_row_slices_equal_whole_tensor_ops(monkeypatch):
+    """_finish and pack_gptq work in row slices (bounded temporaries): forcing many slices
+    changes no bit of the codes, dequantized weights or packed words."""
+    import compress.quant.gptq as G
+    import compress.quant.pack as P
+
+    W, _, H = _layer(15)
+    whole = gptq_quantize(W, H, 3, 32, act_order=True)  # act-order: g_idx is not contiguous
+    packed = P.pack_gptq(whole.q, whole.zeros, whole.scales, whole.g_idx, 3)
+    monkeypatch.setattr(G, "SLICE_ELEMENTS", 3 * IN)  # 3 rows a slice (48 rows: 16 slices)
+    monkeypatch.setattr(P, "SLICE_ELEMENTS", 5 * IN)
+    sliced = gptq_quantize(W, H, 3, 32, act_order=True)
+    assert torch.equal(sliced.q, whole.q) and torch.equal(sliced.dequant, whole.dequant)
+    g = whole.g_idx.long()
+    assert torch.equal(sliced.dequant, whole.scales[g].T * (whole.q.float() - whole.zeros[g].T.float()))
+    again = P.pack_gptq(whole.q, whole.zeros, whole.scales, whole.g_idx, 3)
+    assert all(torch.equal(again[k], packed[k]) for k in packed)
+
+
+def test_solve_group_box_is_emptied_and_the_config_checks_its_dtype():
+    from compress.quant.stage import QuantConfig, solve_group
+
+    W, _, H = _layer(17)
+    box = [H.clone()]
+    res = solve_group([W], box, 4, QuantConfig(bits=4, group_size=32), overwrite_h=True)
+    assert box == [] and res[0].loss == pytest.approx(layer_loss(W, res[0].dequant, H), rel=1e-4)
+    with pytest.raises(LayercutError, match="solve dtype"):
+        QuantConfig(solve_dtype="float16").check()

@@ -28,6 +28,7 @@ from compress.errors import LayercutError
 SUPPORTED_BITS = (2, 3, 4, 8)
 _DAMP_TRIES = 5  # damp, 10·damp, 100·damp, ... before giving up
 _FP16_MIN_SUBNORMAL = 2.0**-24
+SLICE_ELEMENTS = 1 << 22  # [out, in] results are built in row slices of about this many elements
 
 
 @dataclass
@@ -133,6 +134,9 @@ def hessian_update(
     if mask is not None:
         x = x[mask.reshape(-1).bool()]
     if H is None:
+        if x.shape[0] > 0:  # one [in, in] allocation: the product, scaled in place
+            xd = x.to(dtype)
+            return (xd.T @ xd).mul_(2.0 / (n_seen + x.shape[0])), n_seen + x.shape[0]
         H = torch.zeros(x.shape[1], x.shape[1], dtype=dtype, device=x.device)
     elif H.shape != (x.shape[1], x.shape[1]):
         raise LayercutError(f"hessian_update: H is {tuple(H.shape)} but inputs have {x.shape[1]} features")
@@ -146,34 +150,39 @@ def hessian_update(
 
 
 def _inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor, float]:
-    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp·mean(diag H), H float64 [in, in].
+    """Upper Cholesky factor U of (H + λI)⁻¹ = UᵀU with λ = damp·mean(diag H), H [in, in]
+    (float64 or float32).
 
-    If a factorisation fails, damp is multiplied by 10 (``_DAMP_TRIES`` tries in all).
-    ``H`` is the scratch space and is returned as the factor: the damped diagonal is written
-    in place, the inverse goes into H's storage and is factored there, so two [in, in]
-    float64 matrices are alive at most, H and L (at in = 28,672, a 70B down_proj, each is
-    6.6 GB). The values are bit for bit those of the same calls on fresh copies. If the
-    inverse fails to factor after the first factorisation succeeded (possible only for a
-    near-singular H), the undamped try (damp 0) retries from a backup copy; a damped try
+    If the factorisation fails, damp is multiplied by 10 (``_DAMP_TRIES`` tries in all).
+    ``H`` is the scratch space and is returned as the factor. With J the reversal
+    permutation, J(H + λI)J = L̃L̃ᵀ gives (H + λI)⁻¹ = (J L̃⁻¹ J)ᵀ (J L̃⁻¹ J), and J L̃⁻¹ J is
+    upper triangular: so H is reversed in place, factored once, L̃⁻¹ is solved into H's
+    storage and reversed back. Two [in, in] matrices are alive at most, H and L̃ (at
+    in = 28,672, a 70B down_proj, each is 6.6 GB in float64, 3.3 GB in float32), where
+    factor → inverse → factor again (the reference code's route, equal to rounding:
+    relative 3e-15 in float64) needed four. If the result is not finite (possible only for
+    a near-singular H), the undamped try (damp 0) retries from a backup copy; a damped try
     raises, asking for more damping.
     """
     mean_diag = H.diagonal().mean()  # on the strided view, as it always was (the sum order matters)
+    H.copy_(H.flip((0, 1)))  # J H J (one temporary; the damping below is symmetric in J)
     diag0 = H.diagonal().clone()
     tries = [damp * 10**k for k in range(_DAMP_TRIES)] if damp > 0 else [0.0, 1e-4, 1e-3, 1e-2, 1e-1]
-    info = torch.zeros((), dtype=torch.int32, device=H.device)
     for d in tries:
         H.diagonal().copy_(diag0 + d * mean_diag)
         L, info_l = torch.linalg.cholesky_ex(H)
         if int(info_l) != 0:
             continue
         backup = H.clone() if d == 0 else None
-        torch.cholesky_inverse(L, out=H)  # H ← (H + λI)⁻¹
+        H.zero_()
+        H.diagonal().fill_(1.0)
+        torch.linalg.solve_triangular(L, H, upper=False, out=H)  # H ← L̃⁻¹ (lower)
         del L
-        torch.linalg.cholesky_ex(H, upper=True, out=(H, info))  # H ← its upper factor U
-        if int(info) == 0 and torch.isfinite(H).all():
+        H.copy_(H.flip((0, 1)))  # U = J L̃⁻¹ J (upper)
+        if torch.isfinite(H).all():
             return H, d
         if backup is None:
-            raise LayercutError(f"gptq: the inverse of the damped Hessian (damp={d:g}) does not factor "
+            raise LayercutError(f"gptq: the inverse of the damped Hessian (damp={d:g}) is not finite "
                                 "numerically; raise --damp")
         H.copy_(backup)
         del backup
@@ -198,6 +207,7 @@ def gptq_quantize(
     block_size: int = 128,
     group_aware: bool = False,
     overwrite_h: bool = False,
+    solve_dtype: torch.dtype = torch.float64,
 ) -> QuantResult:
     """Quantize ``W`` [out, in] with GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training
     Quantization for Generative Pre-trained Transformers", Algorithm 1).
@@ -222,10 +232,13 @@ def gptq_quantize(
 
     ``loss`` is Σ (w - q)² / (2 [U]_jj²) over all quantized entries, which equals
     ½ tr(ΔW (H + λI) ΔWᵀ) ≈ mean over tokens of ‖(W - Ŵ) x‖² — the layer's output error.
-    Computation is float32, the Hessian inverse float64. Returns a ``QuantResult``.
+    Computation is float32; the Hessian's damping, Cholesky factors and inverse are in
+    ``solve_dtype`` (float64 here by default; the quantize stage's default is float32, as
+    in the reference code and GPTQModel: see ``QuantConfig.solve_dtype``). Returns a
+    ``QuantResult``.
 
-    ``overwrite_h``: a float64 ``H`` on W's device is used as scratch space instead of
-    being copied (its values are garbage afterwards): one [in, in] float64 copy fewer.
+    ``overwrite_h``: an ``H`` already in ``solve_dtype`` on W's device is used as scratch
+    space instead of being copied (its values are garbage afterwards): one [in, in] copy fewer.
     """
     gs = _check_args(W, bits, group_size)
     out_f, in_f = W.shape
@@ -237,13 +250,15 @@ def gptq_quantize(
         raise LayercutError(f"gptq: block_size must be positive, got {block_size}")
     if not (damp >= 0 and math.isfinite(damp)):
         raise LayercutError(f"gptq: damp must be a finite non-negative number, got {damp}")
+    if solve_dtype not in (torch.float64, torch.float32):
+        raise LayercutError(f"gptq: solve_dtype must be float64 or float32, got {solve_dtype}")
 
     maxq = 2**bits - 1
     n_groups = in_f // gs
     W = W.detach().to(torch.float32).clone()  # [out, in]
-    H64 = H.detach().to(device=W.device, dtype=torch.float64)  # [in, in]
-    H = H64.clone() if H64.data_ptr() == H.data_ptr() and not overwrite_h else H64
-    del H64
+    Hs = H.detach().to(device=W.device, dtype=solve_dtype)  # [in, in]
+    H = Hs.clone() if Hs.data_ptr() == H.data_ptr() and not overwrite_h else Hs
+    del Hs
     dead = H.diagonal() == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
@@ -273,9 +288,7 @@ def gptq_quantize(
 
     U, damp_used = _inverse_cholesky(H, damp)  # U is H's storage
     del H
-    # [in, in] upper triangular, column-major: the layout cholesky_ex(upper=True) returns on a fresh
-    # tensor, which the matmuls below were always run with (another layout changes their rounding)
-    Hinv = torch.empty_strided(U.shape, (1, U.shape[0]), dtype=torch.float32, device=U.device).copy_(U)
+    Hinv = U if U.dtype == torch.float32 else U.float()  # [in, in] upper triangular; no copy in float32
     del U
 
     Q = torch.zeros_like(W)  # integer codes as float, processing order
@@ -318,13 +331,22 @@ def gptq_quantize(
 def _finish(
     Q: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor, loss: float, damp_used: float, bits: int, group_size: int
 ) -> QuantResult:
-    """Assemble a QuantResult; ``dequant`` is recomputed from the integer codes."""
+    """Assemble a QuantResult; ``dequant`` is recomputed from the integer codes.
+
+    ``Q`` (float codes, [out, in]) becomes the int32 codes in its own storage; both it and
+    ``dequant`` are built in slices of rows, so no other [out, in] temporary is made (the same
+    elementwise operations as on whole tensors: bit for bit the same values)."""
     g_idx = g_idx.to(torch.int64)
-    s = scales[g_idx].T  # [out, in]
-    z = zeros[g_idx].T
-    dequant = s * (Q - z)
+    out_f, in_f = Q.shape
+    dequant = torch.empty_like(Q)
+    step = max(1, SLICE_ELEMENTS // max(in_f, 1))
+    Qi = Q.view(torch.int32)
+    for r in range(0, out_f, step):
+        rows = slice(r, r + step)
+        dequant[rows] = scales[g_idx, rows].T * (Q[rows] - zeros[g_idx, rows].T)
+        Qi[rows] = Q[rows].to(torch.int32)  # read whole before its bytes are overwritten
     return QuantResult(
-        q=Q.to(torch.int32),
+        q=Qi,
         scales=scales,
         zeros=zeros.to(torch.int32),
         g_idx=g_idx.to(torch.int32),

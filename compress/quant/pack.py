@@ -34,6 +34,8 @@ from torch import Tensor
 
 from compress.errors import LayercutError
 
+SLICE_ELEMENTS = 1 << 22  # qweight is packed in slices of output columns of about this many codes
+
 SUPPORTED_BITS = (2, 3, 4, 8)
 _MASK32 = (1 << 32) - 1
 
@@ -133,7 +135,11 @@ def pack_gptq(q: Tensor, zeros: Tensor, scales: Tensor, g_idx: Tensor, bits: int
     if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
         raise LayercutError(f"pack_gptq: g_idx values must lie in [0, {groups})")
 
-    qweight = _pack_rows(q.T, bits)  # [in*bits/32, out]
+    # [in*bits/32, out], in slices of output columns: _pack_rows's int64 temporaries stay ≤ 32 MB each
+    # (codes of different columns never share a word, so the slices pack independently)
+    step = max(1, SLICE_ELEMENTS // max(in_features, 1))
+    qweight = torch.cat([_pack_rows(q[j : j + step].T, bits) for j in range(0, out_features, step)], dim=1) \
+        if out_features > step else _pack_rows(q.T, bits)
     qzeros_v2 = _pack_rows(zeros.T, bits).T.contiguous()  # [groups, out*bits/32]
     return {
         "qweight": qweight.contiguous(),

@@ -41,12 +41,14 @@ from calibrate.capture import BlockRun, run_blocks
 from calibrate.data import CalibSet
 from compress.arch import ArchSpec, arch_for, get_submodule
 from compress.errors import LayercutError
+from compress.lazy import _trim_heap
 from compress.quant.gptq import SUPPORTED_BITS, QuantResult, gptq_quantize, hessian_update, rtn_quantize
 from compress.quant.pack import pack_gptq
 
 METHODS = ("gptq", "rtn")
 SEQUENTIAL = {"block": ((0, 1, 2, 3),), "sublayer": ((0, 1), (2, 3)), "linear": ((0,), (1,), (2,), (3,))}
 GROUP_LABELS = ("qkv", "o", "gate_up", "down")
+SOLVE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass
@@ -63,6 +65,9 @@ class QuantConfig:
     method: str = "gptq"  # "gptq" | "rtn"
     sequential: str = "block"  # "block" | "sublayer" | "linear" (see module doc)
     block_size: int = 128
+    # dtype of the damped Hessian's Cholesky factors and inverse (H is accumulated in float64
+    # either way); float32 halves the solve's largest buffers (benchmarks/solve_precision.py)
+    solve_dtype: str = "float32"  # "float32" | "float64"
 
     def check(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -75,6 +80,11 @@ class QuantConfig:
             raise LayercutError(f"quantize: sequential must be one of {tuple(SEQUENTIAL)}, got {self.sequential!r}")
         if not (0 <= self.damp < 1 and math.isfinite(self.damp)):
             raise LayercutError(f"quantize: damp must lie in [0, 1), got {self.damp}")
+        if self.solve_dtype not in SOLVE_DTYPES:
+            raise LayercutError(f"quantize: solve dtype must be one of {tuple(SOLVE_DTYPES)}, got {self.solve_dtype!r}")
+
+    def torch_solve_dtype(self) -> torch.dtype:
+        return SOLVE_DTYPES[self.solve_dtype]
 
 
 @dataclass
@@ -253,7 +263,7 @@ def output_loss(W: Tensor, W_hat: Tensor, H: Tensor) -> float:
     return float(((D @ H.to(device=D.device, dtype=torch.float32)) * D).sum() / 2)
 
 
-def solve_group(Ws: list[Tensor], H: Tensor | None, bits: int, cfg: QuantConfig,
+def solve_group(Ws: list[Tensor], H: Tensor | list[Tensor] | None, bits: int, cfg: QuantConfig,
                 overwrite_h: bool = False) -> list[QuantResult]:
     """Quantize linears that share one input (hence one H) in a single call.
 
@@ -261,14 +271,22 @@ def solve_group(Ws: list[Tensor], H: Tensor | None, bits: int, cfg: QuantConfig,
     Hessian is the same for every row), so stacking q/k/v (or gate/up) along ``out``
     is the same computation as one call per linear, but inverts H once and runs the
     column loop once. ``loss`` of each part is its undamped ½ tr(ΔW H ΔWᵀ) (NaN for RTN).
-    ``overwrite_h``: the caller is done with H; GPTQ solves in its storage and the losses use
-    a float32 copy taken first (the precision they were always computed in), so the peak
-    holds two float64 [in, in] matrices, not four.
+    ``overwrite_h``: the caller is done with H; the losses use a float32 copy taken first (the
+    precision they were always computed in) and GPTQ solves in H's storage, converted to
+    ``cfg.solve_dtype`` first. To let that conversion free the float64 H, pass it as a
+    one-element list that nobody else references (``[H]``): it is emptied.
     """
-    H_loss = H.to(device=Ws[0].device, dtype=torch.float32) if H is not None and overwrite_h else H
-    if H_loss is H:
-        overwrite_h = False  # H is itself float32 (or absent): nothing to spare
+    if isinstance(H, list):
+        H = H.pop()
+    if H is not None and overwrite_h:
+        H_loss = H.to(device=Ws[0].device, dtype=torch.float32, copy=True)
+        if H.dtype != cfg.torch_solve_dtype():
+            del H  # frees a float64 H nobody else holds, before its float32 copy is made
+            H = H_loss.clone()  # = H.float(): the conversion is exact-rounded either way
+    else:
+        H_loss, overwrite_h = H, False
     res = solve(torch.cat(Ws) if len(Ws) > 1 else Ws[0], H, bits, cfg, overwrite_h)
+    del H
     H = H_loss
     out, r0 = [], 0
     for W in Ws:
@@ -289,8 +307,15 @@ def _solve(W: Tensor, H: Tensor | None, bits: int, cfg: QuantConfig, overwrite_h
     return gptq_quantize(
         W, H, bits, cfg.group_size, sym=cfg.sym, act_order=cfg.act_order,
         static_groups=cfg.static_groups, damp=cfg.damp, block_size=cfg.block_size, group_aware=cfg.group_aware,
-        overwrite_h=overwrite_h,
+        overwrite_h=overwrite_h, solve_dtype=cfg.torch_solve_dtype(),
     )
+
+
+def _apply_group(items, Ws: list[Tensor], parts: list[QuantResult], conv1d: bool, result: QuantizeResult) -> None:
+    """Each linear of a solved group takes its dequantized weight; its packed tensors go to ``result``."""
+    for (name, module), W, res in zip(items, Ws, parts):
+        set_weight(module, res.dequant, conv1d)
+        result.layers[name] = _record(name, res, W)
 
 
 def _record(name: str, res: QuantResult, W: Tensor) -> QuantizedLinear:
@@ -322,17 +347,24 @@ class HessianSet:
             if m == 0:
                 return
             n = self.n[g]
-            Hb = Hb.double()
             if self.H[g] is None:
-                self.H[g] = Hb
-            else:  # H·n/(n+m) + Hb·m/(n+m), in place: no [in, in] temporaries
-                self.H[g].mul_(n / (n + m)).add_(Hb.mul_(m / (n + m)))
+                self.H[g] = Hb.double()
+            else:  # H·n/(n+m) + Hb·m/(n+m), in place: no float64 copy of Hb
+                self.H[g].mul_(n / (n + m)).add_(Hb, alpha=m / (n + m))
+            del Hb
             self.n[g] = n + m
 
         return fn
 
     def collect(self) -> None:
         self.run.forward(hooks=self.hooks())
+
+    def take(self, g: int, where: str) -> list[Tensor]:
+        """Group g's Hessian as a one-element list the set no longer references (for
+        ``solve_group(..., overwrite_h=True)``, which may then free it)."""
+        H = self.get(g, where)
+        self.H[g] = None
+        return [H]
 
     def get(self, g: int, where: str) -> Tensor:
         H = self.H[g]
@@ -403,19 +435,18 @@ def quantize_model(
             hs.collect()
             for g in stage:
                 items = [(name, module) for gg, name, module in by_block[run.index] if gg == g]
-                H = hs.get(g, ", ".join(name for name, _ in items))
+                box = hs.take(g, ", ".join(name for name, _ in items))  # the solve may overwrite H
                 Ws = [linear_weight(module, spec.conv1d).detach() for _, module in items]
                 for (name, _), W in zip(items, Ws):
                     check_finite(W, name)
                 t0 = time.perf_counter()
-                hs.H[g], H = None, H.to(Ws[0].device)  # the solve may overwrite H: nobody else holds it
+                box[0] = box[0].to(Ws[0].device)
                 b, gs = plan[items[0][0]]  # one pair per fused group (checked)
-                parts = solve_group(Ws, H, b, replace(cfg, group_size=gs), overwrite_h=True)
-                del H
+                parts = solve_group(Ws, box, b, replace(cfg, group_size=gs), overwrite_h=True)
                 result.solve_seconds += time.perf_counter() - t0
-                for (name, module), W, res in zip(items, Ws, parts):
-                    set_weight(module, res.dequant, spec.conv1d)
-                    result.layers[name] = _record(name, res, W)
+                _apply_group(items, Ws, parts, spec.conv1d, result)
+                del parts, Ws  # before the next group's solve: its codes and dequantized weights
+                _trim_heap()  # and the heap pages its [in, in] temporaries left behind
                 result.tokens = hs.n[g]  # the Hessian was freed with the solve, before the next group's
         run.invalidate()  # the next block sees this block's quantized outputs
 

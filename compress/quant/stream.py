@@ -89,6 +89,19 @@ def write_block_fn(lazy: LazyModel, writer, save_dtype: torch.dtype) -> Callable
     return write_block
 
 
+def cast_in_place(tensor: torch.Tensor, dtype: torch.dtype, chunk: int = 1 << 22) -> torch.Tensor:
+    """``tensor.to(dtype)``, converted inside ``tensor``'s own buffer when both dtypes have one
+    element size (bf16 ↔ fp16: a 128k-vocabulary embedding is not held twice); ``tensor``
+    (contiguous, owned by the caller) is garbage afterwards. Other dtypes: a plain ``.to``."""
+    if tensor.dtype == dtype or tensor.element_size() != torch.empty((), dtype=dtype).element_size() \
+            or not tensor.is_contiguous():
+        return tensor.to(dtype)
+    src, dst = tensor.reshape(-1), tensor.reshape(-1).view(dtype)
+    for i in range(0, src.numel(), chunk):  # each slice is read whole before it is overwritten
+        dst[i : i + chunk] = src[i : i + chunk].to(dtype)
+    return dst.view(tensor.shape)
+
+
 def write_rest(lazy: LazyModel, result: QuantizeResult, writer, folder: Path, save_dtype: torch.dtype,
                extra_files: Mapping[str, str | bytes] | None = None) -> dict:
     """After the last block: the non-block tensors, the index, config and side files; returns the
@@ -100,8 +113,9 @@ def write_rest(lazy: LazyModel, result: QuantizeResult, writer, folder: Path, sa
     for name in lazy.model.state_dict(keep_vars=True):  # embeddings, final norm, head (not tied aliases)
         if name.startswith(prefix + ".") or name in lazy.tied or name not in lazy.names:
             continue
-        tensor = lazy.weights.get(lazy.names[name])
-        writer.add(name, tensor.to(save_dtype) if tensor.is_floating_point() else tensor)
+        tensor = lazy.weights.get(lazy.names[name])  # a fresh buffer, ours to overwrite
+        writer.add(name, cast_in_place(tensor, save_dtype) if tensor.is_floating_point() else tensor)
+        del tensor
     writer.close()
     qc = quantization_config(lazy.model, result)
     config = copy.deepcopy(lazy.config)

@@ -121,6 +121,9 @@ class QuantizeConfig(StageConfig, TextOptions):
     method: Literal["gptq", "rtn"] = Field("gptq", description="GPTQ, or plain round-to-nearest")
     damp: float = Field(0.01, gt=0, lt=1, description="GPTQ damping, which keeps the solve stable: a fraction "
                                                          "of the layer's mean input energy")
+    solve_dtype: Literal["float32", "float64"] = Field(
+        "float32", description="precision of the damped Hessian's factorization and inverse (the Hessian is "
+                               "summed in float64 either way); float32 halves the solve's largest buffers")
     sequential: Literal["block", "sublayer", "linear"] = Field(
         "block", description="how often each block's inputs are re-collected: once, per sublayer (2), per "
                              "linear group (4)")
@@ -170,7 +173,8 @@ class QuantizeConfig(StageConfig, TextOptions):
 
         return QuantConfig(bits=self.bits or 4, group_size=self.group_size, sym=self.sym,
                            act_order=self.act_order, static_groups=self.static_groups, group_aware=self.group_aware,
-                           method=self.method, damp=self.damp, sequential=self.sequential)
+                           method=self.method, damp=self.damp, sequential=self.sequential,
+                           solve_dtype=self.solve_dtype)
 
 
 def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = True, after_block=None):
@@ -196,7 +200,8 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
     sym = "symmetric" if config.sym else "asymmetric"
     report: dict = {"method": config.method, "group_size": gs, "sym": config.sym, "act_order": config.act_order,
                     "static_groups": config.static_groups, "group_aware": config.group_aware,
-                    "sequential": config.sequential, "damp": config.damp, "calib": config.text_label(),
+                    "sequential": config.sequential, "damp": config.damp, "solve_dtype": config.solve_dtype,
+                    "calib": config.text_label(),
                     "samples": config.samples, "seq_len": config.seq_len}
     if not mixed:
         calib = calibration_batch(tokenizer, config.text_sources(), samples=config.samples, seq_len=config.seq_len,
