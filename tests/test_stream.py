@@ -231,16 +231,16 @@ def test_score_stage_streams_and_matches_whole_model(tiny_model_dir):
     assert streamed["scores"] == whole["scores"] and streamed["selection"] == whole["selection"]
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_quantize_stage_streams_and_matches_whole_model(family, tiny_model_dir, tmp_path):
-    """Uniform-bit GPTQ block by block (written and freed at each block's turn) == the whole-model path."""
+@pytest.mark.parametrize("family,method", [("llama", "gptq"), ("gpt2", "gptq"), ("llama", "rtn")])
+def test_quantize_stage_streams_and_matches_whole_model(family, method, tiny_model_dir, tmp_path):
+    """Uniform-bit GPTQ or RTN block by block (written and freed at each block's turn) == the whole-model path."""
     from safetensors.torch import load_file
 
     from compress.quant.loader import load_quantized
     from compress.stages.quantize import QuantizeConfig, run
 
     src = tiny_model_dir(family)
-    kw = dict(bits=4, group_size=32, samples=6, seq_len=32, batch_size=3)
+    kw = dict(bits=4, group_size=32, samples=6, seq_len=32, batch_size=3, method=method)
     streamed = run(QuantizeConfig(**kw), str(src), tmp_path / "s")
     whole = run(QuantizeConfig(whole_model=True, **kw), str(src), tmp_path / "w")
     assert streamed["avg_bits"] == whole["avg_bits"] and streamed["linears"] == whole["linears"]

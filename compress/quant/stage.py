@@ -398,7 +398,7 @@ def quantize_model(
     RTN). ``device``: where each block runs and is solved (e.g. ``"cuda"``; default: the
     model's device). Returns the packed tensors of each linear for
     :func:`compress.quant.checkpoint.save_quantized`. ``after_block(run)`` is called once
-    each block is quantized (GPTQ only): a streamed run writes the block there and frees
+    each block is quantized (GPTQ and RTN): a streamed run writes the block there and frees
     its packed tensors from ``result``.
     """
     targets = check_model(model, cfg, bits)
@@ -408,15 +408,7 @@ def quantize_model(
     start = time.perf_counter()
 
     if cfg.method == "rtn":
-        for _, _, name, module in targets:
-            W = linear_weight(module, spec.conv1d).detach()
-            dev = torch.device(device) if device is not None else W.device
-            t0 = time.perf_counter()
-            b, gs = plan[name]
-            res = solve(W.to(dev), None, b, replace(cfg, group_size=gs))
-            result.solve_seconds += time.perf_counter() - t0
-            set_weight(module, res.dequant.to(W.device), spec.conv1d)
-            result.layers[name] = _record(name, res, W)
+        _rtn_blocks(model, targets, plan, cfg, spec, result, device, progress, after_block)
         result.seconds = time.perf_counter() - start
         return result
 
@@ -454,6 +446,41 @@ def quantize_model(
     run_blocks(model, calib, callbacks, batch_size=batch_size, device=device, progress=progress, desc="gptq")
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _rtn_blocks(model, targets, plan, cfg: QuantConfig, spec: ArchSpec, result: QuantizeResult, device,
+                progress: bool, after_block) -> None:
+    """Round-to-nearest, block by block: no forwards. A streamed model's block is read for its
+    turn, quantized, handed to ``after_block`` (which writes it) and released."""
+    from types import SimpleNamespace
+
+    from tqdm.auto import tqdm
+
+    from compress.lazy import lazy_of
+
+    lazy = lazy_of(model)
+    by_block: dict[int, list[tuple[str, nn.Module]]] = {}
+    for i, _, name, module in targets:
+        by_block.setdefault(i, []).append((name, module))
+    for i in tqdm(sorted(by_block), desc="rtn", disable=not progress, unit="block"):
+        block = lazy.block(i) if lazy is not None else spec.layers_of(model)[i]
+        try:
+            for name, module in by_block[i]:
+                W = linear_weight(module, spec.conv1d).detach()
+                check_finite(W, name)
+                dev = torch.device(device) if device is not None else W.device
+                t0 = time.perf_counter()
+                b, gs = plan[name]
+                res = solve(W.to(dev), None, b, replace(cfg, group_size=gs))
+                result.solve_seconds += time.perf_counter() - t0
+                set_weight(module, res.dequant.to(W.device), spec.conv1d)
+                result.layers[name] = _record(name, res, W)
+                del res
+            if after_block is not None:
+                after_block(SimpleNamespace(index=i, block=block), result)
+        finally:
+            if lazy is not None:
+                lazy.release(lazy.block_path(i))
 
 
 def to_quant_linears(model: nn.Module, result: QuantizeResult) -> nn.Module:

@@ -53,8 +53,6 @@ def quantize_streamed(
     """Quantize ``lazy`` block by block into ``folder`` (an existing temporary directory)."""
     from export.shards import ShardWriter
 
-    if cfg.method != "gptq":
-        raise LayercutError("quantize: streaming runs GPTQ; RTN loads the whole model (--whole-model)")
     folder = Path(folder)
     writer = ShardWriter(folder, max_shard_size, always_index=True)
     result = quantize_model(lazy.model, calib, cfg, bits, batch_size=batch_size, device=device,

@@ -137,7 +137,7 @@ class QuantizeConfig(StageConfig, TextOptions):
     batch_size: int = Field(8, ge=1, description="sequences per forward pass")
     device: str = device_option()
     dtype: Dtype = Field("auto", description=STREAM_DTYPE_HELP)
-    whole_model: bool = Field(False, description=WHOLE_MODEL_HELP + "; RTN and --avg-bits always load it")
+    whole_model: bool = Field(False, description=WHOLE_MODEL_HELP + "; --avg-bits always loads it")
     save_dtype: SaveDtype = Field("fp16", description="dtype of the tensors that stay unquantized")
 
     @model_validator(mode="after")
@@ -312,7 +312,7 @@ def run(config: QuantizeConfig, source: str | Path, output: str | Path, env: Run
         raise LayercutError(f"quantize: {path} is already quantized (config.json has a quantization_config); "
                             "quantize the dense original")
     start = time.perf_counter()
-    streamable = config.method == "gptq" and config.avg_bits is None
+    streamable = config.avg_bits is None
     lazy = load_streamed(path, config.dtype, env, config.whole_model or not streamable, "quantize")
     if lazy is not None:  # one block in memory: quantized, written and freed at its turn
         with atomic_dir(output, env.overwrite) as tmp:
@@ -335,7 +335,7 @@ def run(config: QuantizeConfig, source: str | Path, output: str | Path, env: Run
 
 
 def _run_streamed(lazy, path: Path, config: QuantizeConfig, folder: Path, env: RunEnv) -> dict:
-    """Uniform-bit GPTQ over a lazily loaded model, written block by block into ``folder``."""
+    """Uniform-bit GPTQ or RTN over a lazily loaded model, written block by block into ``folder``."""
     from compress.models import load_tokenizer
     from compress.quant.stream import write_block_fn, write_rest
     from compress.stages.base import torch_dtype
