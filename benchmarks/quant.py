@@ -28,7 +28,10 @@ columns in act-order with static groups (layercut's defaults; GPTQModel ``desc_a
 static_groups=True``, which turns its group-aware reordering off), one Hessian pass per
 block (layercut ``sequential="block"``; GPTQModel ``true_sequential=False``), model loaded
 in float32 (GPTQModel ``dtype=torch.float32``; its CPU default is bfloat16). What cannot be
-matched: layercut accumulates and inverts H in float64, GPTQModel in float32; GPTQModel
+matched: layercut accumulates H in float64, GPTQModel in float32 (both factor and invert it in
+float32 since layercut's ``solve_dtype`` default became float32; the stored ``layercut-B-asym``
+rows were run before that, with the float64 solve, and rows ``layercut-B-asym-solve32/-solve64``
+compare the two on the validation half); GPTQModel
 writes the unquantized tensors (embeddings, norms) in its load dtype, layercut in float16
 (column "dense dtype"; the loader computes in float32 either way). Rows
 ``gptqmodel-B-asym-defaults`` run GPTQModel with its own defaults (damp 0.05, group-aware

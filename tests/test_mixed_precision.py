@@ -311,3 +311,33 @@ def test_no_fallback_check_allows_a_list_without_baseline(small_dir, tmp_path, c
         assert u["group_size"] == -1 or u["name"].endswith("down"), u
         assert all(model.get_submodule(n).group_size == u["group_size"] for n in u["linears"])
     assert candidate_label((2, 128)) in report["candidates"]
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+def test_mixed_bits_stream_and_match_the_whole_model_path(small_dir, tmp_path, fallback):
+    """--avg-bits block by block (sensitivity, mixed and uniform written as they go, the fallback KL
+    streamed) == the whole-model path: same allocation, same verdict, the same tensors written, both
+    KLs equal to float32 rounding (the head runs on position slices). Red if the streamed check
+    compared other models, wrote the loser, or left a variant's folder behind."""
+    from safetensors.torch import load_file
+
+    from compress.stages.quantize import run
+
+    kw = dict(avg_bits=4.3, candidates="3g32,4g32,8ch", samples=4, seq_len=32, sensitivity_samples=2,
+              batch_size=2, fallback_check=fallback)
+    streamed = run(QuantizeConfig(**kw), str(small_dir), tmp_path / "s")
+    whole = run(QuantizeConfig(whole_model=True, **kw), str(small_dir), tmp_path / "w")
+    assert streamed["unit_bits"] == whole["unit_bits"] and streamed["written"] == whole["written"]
+    assert streamed["config_histogram"] == whole["config_histogram"]
+    if fallback:
+        for k in ("kl_mixed", "kl_uniform"):
+            assert streamed["fallback"][k] == pytest.approx(whole["fallback"][k], rel=1e-4)
+        assert streamed["fallback"]["tokens"] == whole["fallback"]["tokens"] > 0
+    a = {k: v for f in sorted((tmp_path / "s").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    b = {k: v for f in sorted((tmp_path / "w").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+    assert not [p for p in (tmp_path / "s").iterdir() if p.name.startswith(".")]
+    assert {"allocation.json", "quantize.json", "config.json"} <= {p.name for p in (tmp_path / "s").iterdir()}
+    probe = torch.randint(4, 300, (1, 12))
+    assert torch.equal(load_quantized(tmp_path / "s")(input_ids=probe).logits,
+                       load_quantized(tmp_path / "w")(input_ids=probe).logits)

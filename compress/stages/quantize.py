@@ -137,7 +137,7 @@ class QuantizeConfig(StageConfig, TextOptions):
     batch_size: int = Field(8, ge=1, description="sequences per forward pass")
     device: str = device_option()
     dtype: Dtype = Field("auto", description=STREAM_DTYPE_HELP)
-    whole_model: bool = Field(False, description=WHOLE_MODEL_HELP + "; --avg-bits always loads it")
+    whole_model: bool = Field(False, description=WHOLE_MODEL_HELP + "; --avg-bits with --sensitivity kl always loads it")
     save_dtype: SaveDtype = Field("fp16", description="dtype of the tensors that stay unquantized")
 
     @model_validator(mode="after")
@@ -177,11 +177,15 @@ class QuantizeConfig(StageConfig, TextOptions):
                            solve_dtype=self.solve_dtype)
 
 
-def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = True, after_block=None):
+def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = True, after_block=None,
+          stream=None):
     """The shared core: choose (bits, group size) per unit (with ``avg_bits``) and quantize ``net`` in place.
 
     Returns (QuantizeResult, report, allocation or None, allocation.json text or None); the
     allocation is None for uniform bits and when the fallback check kept the uniform baseline.
+    ``stream``: a :class:`compress.quant.mixed_stream.StreamedOutputs` when ``net`` is a lazily
+    loaded model and ``avg_bits`` is set: the mixed (and uniform) checkpoints are written block
+    by block there and the fallback check streams; ``stream.keep`` is left to the caller.
     """
     import sys
     from dataclasses import replace
@@ -227,18 +231,26 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
     alloc = allocate_bits(alloc_units, config.avg_bits, candidates=cands, max_cells=MAX_DP_CELLS)
     plan = expand_bits(units, alloc.choice)
     check = config.fallback_check and set(alloc.choice.values()) != {baseline}
-    fp = float_weights(net) if check else None
+    fp = float_weights(net) if check and stream is None else None
     result = quantize_model(net, calib if config.method == "gptq" else None, cfg, plan,
-                            batch_size=config.batch_size, device=device, progress=progress)
+                            batch_size=config.batch_size, device=device, progress=progress,
+                            after_block=stream.block_writer("mixed") if stream is not None else None)
     verdict = None
     if check:
         held, how = held_apart(tokenizer, config.text_sources(), n, config.seq_len, seed, config.samples)
         uniform_plan = {name: baseline for name in plan}
-        verdict, result = fallback_check(net, calib if config.method == "gptq" else None, held, cfg, fp, result,
-                                         uniform_plan, batch_size=config.batch_size, device=device,
-                                         progress=progress)
+        if stream is None:
+            verdict, result = fallback_check(net, calib if config.method == "gptq" else None, held, cfg, fp, result,
+                                             uniform_plan, batch_size=config.batch_size, device=device,
+                                             progress=progress)
+        else:
+            verdict, result = stream.fallback_check(calib if config.method == "gptq" else None, held, cfg, result,
+                                                    uniform_plan, batch_size=config.batch_size, device=device,
+                                                    progress=progress)
         verdict.data = how
         del fp
+    elif stream is not None:
+        stream.finish("mixed", result)
     kept = "uniform" if verdict is not None and verdict.keep == "uniform" else "mixed"
     base_label = candidate_label(baseline) if baseline is not None else None
     labels = ",".join(map(candidate_label, cands))
@@ -312,7 +324,7 @@ def run(config: QuantizeConfig, source: str | Path, output: str | Path, env: Run
         raise LayercutError(f"quantize: {path} is already quantized (config.json has a quantization_config); "
                             "quantize the dense original")
     start = time.perf_counter()
-    streamable = config.avg_bits is None
+    streamable = config.avg_bits is None or config.sensitivity != "kl"  # the exact KL needs the whole model
     lazy = load_streamed(path, config.dtype, env, config.whole_model or not streamable, "quantize")
     if lazy is not None:  # one block in memory: quantized, written and freed at its turn
         with atomic_dir(output, env.overwrite) as tmp:
@@ -327,25 +339,41 @@ def run(config: QuantizeConfig, source: str | Path, output: str | Path, env: Run
         write_quantized_into(net, tokenizer, result, Path(tmp), dtype=torch_dtype(config.save_dtype),
                              extra_files=extra)
         if alloc is not None:
-            plot_allocation(alloc, Path(tmp) / "allocation.png",
-                            title=f"{config.unit} bits (colour: group size), budget {config.avg_bits} → {alloc.avg_bits:.3f} avg bits "
-                                  f"(sensitivity: {config.sensitivity})")
-            report["checkpoint_plot"] = "allocation.png"  # travels inside the checkpoint (export keeps it)
+            _plot(plot_allocation, alloc, Path(tmp), config, report)
     return {"model": str(source), "output": str(output), **report, "seconds": time.perf_counter() - start}
 
 
 def _run_streamed(lazy, path: Path, config: QuantizeConfig, folder: Path, env: RunEnv) -> dict:
-    """Uniform-bit GPTQ or RTN over a lazily loaded model, written block by block into ``folder``."""
+    """GPTQ or RTN over a lazily loaded model, written block by block into ``folder``: uniform
+    bits, or bits per unit (the mixed and uniform candidates each written as they go)."""
     from compress.models import load_tokenizer
+    from compress.quant.allocate import plot_allocation
+    from compress.quant.mixed_stream import StreamedOutputs
     from compress.quant.stream import write_block_fn, write_rest
     from compress.stages.base import torch_dtype
     from export.shards import ShardWriter
 
     save_dtype = torch_dtype(config.save_dtype)
-    writer = ShardWriter(folder, "2GB", always_index=True)
     tokenizer = load_tokenizer(path, env.trust_remote_code)
+    if config.avg_bits is not None:
+        outputs = StreamedOutputs(lazy, folder, save_dtype)
+        _, report, alloc, alloc_json = apply(lazy.model, tokenizer, config, config.seed, env.progress, stream=outputs)
+        outputs.keep(report["written"])
+        (folder / "quantize.json").write_text(json.dumps(strip_volatile(report), indent=2, default=str) + "\n")
+        (folder / "allocation.json").write_text(alloc_json)
+        if alloc is not None:
+            _plot(plot_allocation, alloc, folder, config, report)
+        return report
+    writer = ShardWriter(folder, "2GB", always_index=True)
     result, report, _, _ = apply(lazy.model, tokenizer, config, config.seed, env.progress,
                                  after_block=write_block_fn(lazy, writer, save_dtype))
     extra = {"quantize.json": json.dumps(strip_volatile(report), indent=2, default=str) + "\n"}
     write_rest(lazy, result, writer, folder, save_dtype, extra)
     return report
+
+
+def _plot(plot_allocation, alloc, folder: Path, config: QuantizeConfig, report: dict) -> None:
+    plot_allocation(alloc, folder / "allocation.png",
+                    title=f"{config.unit} bits (colour: group size), budget {config.avg_bits} → {alloc.avg_bits:.3f} "
+                          f"avg bits (sensitivity: {config.sensitivity})")
+    report["checkpoint_plot"] = "allocation.png"  # travels inside the checkpoint (export keeps it)
