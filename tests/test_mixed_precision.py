@@ -257,6 +257,20 @@ def test_sensitivity_measures_only_fitting_pairs(tiny_tokenizer):
     assert "3g128" in table.to_dict()["by_method"]["loss"]["model.layers.0.down"]
 
 
+@pytest.mark.parametrize("unit", ["group", "layer"])
+def test_loss_only_sensitivity_equals_the_general_pass(tiny_tokenizer, unit):
+    """The lean losses-only pass (one group's Hessian at a time, no decoded copies) gives exactly the
+    losses of the general pass that also measures the block output. Red if a loss went to another
+    unit or candidate, or a layer unit summed the wrong linears."""
+    model = small_model("llama", layers=2)
+    units = allocation_units(model, unit)
+    pairs = [(3, 128), (4, 32), (8, -1)] if unit == "group" else [(3, 64), (4, 32), (8, -1)]  # g128: down only
+    args = (model, _calib(tiny_tokenizer, n=2), units, pairs, QuantConfig(group_size=32))
+    lean = measure_sensitivity(*args, methods=("loss",), batch_size=2, progress=False)
+    full = measure_sensitivity(*args, methods=("loss", "output"), batch_size=2, progress=False)
+    assert lean.delta == full.by_method["loss"] and all(lean.delta.values())
+
+
 # --------------------------------------------------------------- the fallback check
 
 

@@ -25,7 +25,8 @@ mean KL(p_fp ‖ p_q) over the non-pad tokens of a held-apart set of calibration
 decides which is written. Only the target linears change between the three models, so
 one model is kept and its linear weights are swapped per micro-batch (float copy kept,
 quantized ones decoded from their packed tensors): memory is one extra copy of the
-linear weights, and the forwards run on the model's own device.
+linear weights, and the forwards run on the model's own device. A streamed model (one block in
+memory) runs the same check in :mod:`compress.quant.mixed_stream` instead.
 """
 
 from __future__ import annotations

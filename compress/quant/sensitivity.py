@@ -219,6 +219,9 @@ def measure_sensitivity(
         tokens["n"] = n_tok
         fp_energy = sum(_masked_sq(o, None, m) for o, m in zip(fp_out, masks)) / n_tok
         names = [n for u in block_units for n in u.linears]
+        if not (forward_methods or "kl" in methods):  # losses only: no weight changes, no decoded copies
+            _losses_only(hs, block_units, names)
+            return
         original = {n: linear_weight(modules[n], spec.conv1d).detach().clone() for n in names}
         perturbed = False
         for c in pairs:
@@ -256,6 +259,30 @@ def measure_sensitivity(
         if perturbed:
             run.invalidate()  # weights are restored: recompute the float outputs for the next block
 
+    def _losses_only(hs: HessianSet, block_units: list[AllocUnit], names: list[str]) -> None:
+        """The ``loss`` table of one block, one fused group at a time: each group's Hessian is freed
+        once its candidates are solved, and only the losses are kept (the same values as the loop
+        below, which also keeps the decoded weights for the forward measures)."""
+        for g in sorted({group_of[n] for n in names}):
+            members = [n for n in names if group_of[n] == g]
+            H = hs.get(g, ", ".join(members))
+            Ws = [linear_weight(modules[n], spec.conv1d).detach() for n in members]
+            H = H.to(Ws[0].device)
+            for c in pairs:
+                fit = [n for u in block_units if u.fits(c[1]) for n in u.linears if n in members]
+                if not fit:
+                    continue
+                for n, res in zip(fit, solve_group([Ws[members.index(n)] for n in fit], H, c[0],
+                                                   replace(cfg, group_size=c[1]))):
+                    loss_of[(n, c)] = res.loss
+            hs.H[g] = None
+            del H
+        for c in pairs:
+            for u in block_units:
+                if u.fits(c[1]):
+                    table["loss"][u.name][key(c)] = float(sum(loss_of.pop((n, c)) for n in u.linears))
+
+    loss_of: dict[tuple[str, tuple[int, int]], float] = {}
     run_blocks(model, calib, [on_block], batch_size=batch_size, device=device, progress=progress, desc="sensitivity")
     return SensitivityTable(methods[0], table[methods[0]], table, time.perf_counter() - start, tokens["n"])
 

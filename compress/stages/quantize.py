@@ -23,7 +23,9 @@ writes it instead when the mixed model's KL to the float model is not lower on
 text (disjoint from every sequence behind the Hessians and sensitivities); one line on
 stderr says when the baseline wins. ``allocation.json`` (and ``allocation.png`` when the
 mixed result is written) go into the checkpoint. Every option is validated before any
-work; the output appears atomically.
+work; the output appears atomically. A checkpoint input streams (one decoder block in memory)
+for uniform bits, RTN and ``avg_bits`` alike (:mod:`compress.quant.mixed_stream`), except with
+``sensitivity="kl"``, whose per-unit KL needs the whole model.
 """
 
 from __future__ import annotations
