@@ -312,7 +312,6 @@ def run(config: QuantizeConfig, source: str | Path, output: str | Path, env: Run
     """
     from compress.errors import LayercutError
     from compress.models import load_model, resolve_model
-    from compress.quant.allocate import plot_allocation
     from compress.quant.checkpoint import write_quantized_into
     from compress.stages.base import load_streamed, torch_dtype
     from export.checkpoint import atomic_dir, check_output_dir
@@ -341,7 +340,7 @@ def run(config: QuantizeConfig, source: str | Path, output: str | Path, env: Run
         write_quantized_into(net, tokenizer, result, Path(tmp), dtype=torch_dtype(config.save_dtype),
                              extra_files=extra)
         if alloc is not None:
-            _plot(plot_allocation, alloc, Path(tmp), config, report)
+            _plot(alloc, Path(tmp), config, report)
     return {"model": str(source), "output": str(output), **report, "seconds": time.perf_counter() - start}
 
 
@@ -349,7 +348,6 @@ def _run_streamed(lazy, path: Path, config: QuantizeConfig, folder: Path, env: R
     """GPTQ or RTN over a lazily loaded model, written block by block into ``folder``: uniform
     bits, or bits per unit (the mixed and uniform candidates each written as they go)."""
     from compress.models import load_tokenizer
-    from compress.quant.allocate import plot_allocation
     from compress.quant.mixed_stream import StreamedOutputs
     from compress.quant.stream import write_block_fn, write_rest
     from compress.stages.base import torch_dtype
@@ -364,7 +362,7 @@ def _run_streamed(lazy, path: Path, config: QuantizeConfig, folder: Path, env: R
         (folder / "quantize.json").write_text(json.dumps(strip_volatile(report), indent=2, default=str) + "\n")
         (folder / "allocation.json").write_text(alloc_json)
         if alloc is not None:
-            _plot(plot_allocation, alloc, folder, config, report)
+            _plot(alloc, folder, config, report)
         return report
     writer = ShardWriter(folder, "2GB", always_index=True)
     result, report, _, _ = apply(lazy.model, tokenizer, config, config.seed, env.progress,
@@ -374,7 +372,9 @@ def _run_streamed(lazy, path: Path, config: QuantizeConfig, folder: Path, env: R
     return report
 
 
-def _plot(plot_allocation, alloc, folder: Path, config: QuantizeConfig, report: dict) -> None:
+def _plot(alloc, folder: Path, config: QuantizeConfig, report: dict) -> None:
+    from compress.quant.allocate import plot_allocation
+
     plot_allocation(alloc, folder / "allocation.png",
                     title=f"{config.unit} bits (colour: group size), budget {config.avg_bits} → {alloc.avg_bits:.3f} "
                           f"avg bits (sensitivity: {config.sensitivity})")
