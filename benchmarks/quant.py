@@ -113,24 +113,41 @@ ROWS: dict[str, dict] = {
     "layercut-3-asym-solve64": {"kind": "ours", "method": "gptq", "bits": 3, "sym": False, "solve_dtype": "float64",
                                 "seeds": True},
     "sensitivity": {"kind": "sensitivity"},
-    "mixed-layer": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "layer", "sym": False},
+    "mixed-layer": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "layer", "sym": False,
+                    "refine": False},
     # not run by default (--only NAME): more settings
-    "mixed-group": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "group", "sym": False},
+    "mixed-group": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "group", "sym": False,
+                    "refine": False},
     # issue 12: (bits, group size) per fused unit from the default candidates, sensitivity 'loss', the
-    # fallback check on (the command's defaults), at three budgets; each against the best uniform config
-    # whose bytes fit (3-bit g64 for the first two, 2-bit g64 for 2.5)
+    # fallback check on, at three budgets; each against the best uniform config whose bytes fit (3-bit
+    # g64 for the first two, 2-bit g64 for 2.5); without and with the refinement round
+    # (compress/quant/refine.py), chosen on --text bundled:brown-val
     "mixed-3.297": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "group", "sym": False,
-                    "sensitivity": "loss", "seeds": True},
+                    "sensitivity": "loss", "refine": False, "seeds": True},
+    "mixed-3.297-refine": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "group", "sym": False,
+                           "sensitivity": "loss", "refine": True, "seeds": True},
     "mixed-3.5": {"kind": "ours", "method": "gptq", "avg_bits": 3.5, "unit": "group", "sym": False,
-                  "sensitivity": "loss", "seeds": True},
+                  "sensitivity": "loss", "refine": False, "seeds": True},
+    "mixed-3.5-refine": {"kind": "ours", "method": "gptq", "avg_bits": 3.5, "unit": "group", "sym": False,
+                         "sensitivity": "loss", "refine": True, "seeds": True},
     "mixed-2.5": {"kind": "ours", "method": "gptq", "avg_bits": 2.5, "unit": "group", "sym": False,
-                  "sensitivity": "loss", "seeds": True},
+                  "sensitivity": "loss", "refine": False, "seeds": True},
+    "mixed-2.5-refine": {"kind": "ours", "method": "gptq", "avg_bits": 2.5, "unit": "group", "sym": False,
+                         "sensitivity": "loss", "refine": True, "seeds": True},
+    # the default candidates without 3-bit per channel (which the loss measure prices cheaply and the
+    # fallback's KL does not), chosen on --text bundled:brown-val
+    "mixed-3.297-no3ch": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "group", "sym": False,
+                          "sensitivity": "loss", "refine": False, "seeds": True,
+                          "candidates": "3g128,3g64,3g32,4ch,4g128,4g64,8ch"},
+    "mixed-3.5-no3ch": {"kind": "ours", "method": "gptq", "avg_bits": 3.5, "unit": "group", "sym": False,
+                        "sensitivity": "loss", "refine": False, "seeds": True,
+                        "candidates": "3g128,3g64,3g32,4ch,4g128,4g64,8ch"},
     "layercut-2-asym": {"kind": "ours", "method": "gptq", "bits": 2, "sym": False, "seeds": True},
     # layercut-3-asym again, run beside the mixed rows (same code and machine); see findings
     "layercut-3-asym-rerun": {"kind": "ours", "method": "gptq", "bits": 3, "sym": False, "seeds": True},
     # the previous default proxy, for its cost and result (seed 0)
     "mixed-3.297-output": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "group",
-                           "sym": False, "sensitivity": "output"},
+                           "sym": False, "sensitivity": "output", "refine": False},
     "layercut-4-sym": {"kind": "ours", "method": "gptq", "bits": 4, "sym": True},
     "gptqmodel-4-sym": {"kind": "gptqmodel", "bits": 4, "sym": True, "matched": True},
     "layercut-3-asym-linear": {"kind": "ours", "method": "gptq", "bits": 3, "sym": False, "sequential": "linear"},
@@ -273,7 +290,8 @@ def child_ours(args, work: Path, name: str, spec: dict, seed: int) -> dict:
         group_size=GS, sym=spec["sym"], method=spec["method"], sequential=spec.get("sequential", "block"),
         act_order=spec.get("act_order", True), static_groups=spec.get("static_groups", True),
         group_aware=spec.get("group_aware", False), damp=args.damp, calib=DEFAULT_CALIB_TEXT,
-        solve_dtype=spec.get("solve_dtype", "float32"),
+        solve_dtype=spec.get("solve_dtype", "float32"), refine=spec.get("refine", True),
+        candidates=spec.get("candidates"),
         samples=args.samples, seq_len=args.seq_len, seed=seed, sensitivity=sens, progress=False, overwrite=True,
     )
     wall = time.perf_counter() - t0
@@ -290,6 +308,7 @@ def child_ours(args, work: Path, name: str, spec: dict, seed: int) -> dict:
     if "config_histogram" in report:  # (bits, group size) allocation: what was chosen and what was written
         row.update(config_histogram=report["config_histogram"], written=report["written"],
                    fallback=report["fallback"], allocated_avg_bits=report["allocated_avg_bits"],
+                   refine=report.get("refine"),
                    unit_group_size=report["unit_group_size"])
     row.update(_evaluate(_load_for_eval(out), load_tokenizer(MODEL), args, work))
     return row
@@ -472,6 +491,17 @@ def table_md(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _mixed_phases(r: dict) -> dict[str, float]:
+    """A mixed-bit run's wall time: sensitivity pass, refinement solves, the written result's GPTQ pass, the rest."""
+    refine = r.get("refine") if isinstance(r.get("refine"), dict) and r["refine"].get("run") else {}
+    out = {"sensitivity pass": r.get("sensitivity_s") or 0.0,
+           "refinement's neighbour solves": refine.get("probe_seconds", 0.0),
+           "GPTQ pass of the written result": r.get("phases_s", {}).get(DRIVER, 0.0)}
+    out["the rest: the other GPTQ passes (first plan, the loser), fallback KL, load, write"] = (
+        r["wall_s"] - sum(out.values()))
+    return out
+
+
 def phases_md(data: dict) -> list[str]:
     """Where each GPTQ quantizer's wall time goes (means over its runs)."""
     out = []
@@ -480,9 +510,10 @@ def phases_md(data: dict) -> list[str]:
         if not runs or spec["kind"] not in ("ours", "gptqmodel") or spec.get("method") == "rtn":
             continue
         wall = statistics.fmean(r["wall_s"] for r in runs)
-        keys = list(dict.fromkeys(k for r in runs for k in r.get("phases_s", {})))
-        parts = [f"{k} {statistics.fmean(r['phases_s'].get(k, 0.0) for r in runs):.0f} s "
-                 f"({100 * statistics.fmean(r['phases_s'].get(k, 0.0) for r in runs) / wall:.0f}%)" for k in keys]
+        phases = [_mixed_phases(r) if spec.get("avg_bits") else r.get("phases_s", {}) for r in runs]
+        keys = list(dict.fromkeys(k for p in phases for k in p))
+        parts = [f"{k} {statistics.fmean(p.get(k, 0.0) for p in phases):.0f} s "
+                 f"({100 * statistics.fmean(p.get(k, 0.0) for p in phases) / wall:.0f}%)" for k in keys]
         if parts:
             out.append(f"{name} (wall {wall:.0f} s): " + "; ".join(parts))
     return out
@@ -542,7 +573,10 @@ def findings(data: dict) -> list[str]:
 # issue 12's comparisons: each mixed budget against the best uniform config whose bytes fit it
 # (the 3-bit comparator is the rerun made beside them: the stored layercut-3-asym seed 0 differs, see findings)
 MIXED_VS = {"mixed-3.297": "layercut-3-asym-rerun", "mixed-3.5": "layercut-3-asym-rerun",
-            "mixed-2.5": "layercut-2-asym", "mixed-3.297-output": "layercut-3-asym-rerun"}
+            "mixed-2.5": "layercut-2-asym", "mixed-3.297-refine": "layercut-3-asym-rerun",
+            "mixed-3.5-refine": "layercut-3-asym-rerun", "mixed-2.5-refine": "layercut-2-asym",
+            # the no-3ch rows ran the float32 solve: their matched uniform row is solve32
+            "mixed-3.297-no3ch": "layercut-3-asym-solve32", "mixed-3.5-no3ch": "layercut-3-asym-solve32", "mixed-3.297-output": "layercut-3-asym-rerun"}
 
 
 def mixed_findings(data: dict) -> list[str]:
@@ -574,6 +608,10 @@ def mixed_findings(data: dict) -> list[str]:
                 f"vs {base} {spread([r.get('kl') for r in ref], '.4f')}; Δ mean log ppl {dlog:+.4f} "
                 f"(ppl {ppl:.2f} vs {ppl_ref:.2f}); stored {spread([r.get('avg_bits') for r in runs], '.3f')} "
                 f"bits/weight; written: {written}")
+        moved = [r["refine"]["changed_units"] for r in runs if isinstance(r.get("refine"), dict)
+                 and r["refine"].get("run")]
+        if moved:
+            line += f"; the refinement round moved {', '.join(map(str, moved))} unit(s) per seed"
         hist = runs[0].get("config_histogram")
         if hist:
             line += f"; seed-{runs[0].get('seed', 0)} allocation {hist}"

@@ -143,7 +143,12 @@ def test_default_candidates_and_baseline():
              for k, s in (("qkv", (960, 576)), ("o", (576, 576)), ("gate_up", (3072, 576)), ("down", (576, 1536)))]
     cands, base = resolve_candidates(units, 3.5, None)
     assert cands == sorted(DEFAULT_CANDIDATES, key=lambda c: (c[0], 0 if c[1] == -1 else 1 / c[1]))
-    assert base == (3, 64)  # 3g32 costs 3.59 > 3.5; g128 cannot be uniform (qkv: 576)
+    assert base == (3, 64) and (3, -1) not in cands  # 3g32 costs 3.59 > 3.5; g128 cannot be uniform (qkv: 576)
+    # 3ch joins exactly when no other default pair fits uniformly (3g64 is the cheapest uniform one)
+    g64 = uniform_avg_bits(units, (3, 64))
+    assert (3, -1) not in resolve_candidates(units, g64, None)[0]
+    cands, base = resolve_candidates(units, g64 - 1e-3, None)
+    assert (3, -1) in cands and base == (3, -1) and not set(TWO_BIT_CANDIDATES) & set(cands)
     cands, base = resolve_candidates(units, 2.9, None)
     assert set(TWO_BIT_CANDIDATES) <= set(cands) and base == (2, 32)
     three_ch = uniform_avg_bits(units, (3, -1))

@@ -50,7 +50,10 @@ _BUDGET_RTOL = 1e-12
 
 Candidate = tuple[int, int]  # (bits, group size); group size -1 = one group per output row
 # what `layercut quantize --avg-bits` picks from by default; 2-bit only below a uniform 3ch budget
-DEFAULT_CANDIDATES: tuple[Candidate, ...] = ((3, -1), (3, 128), (3, 64), (3, 32), (4, -1), (4, 128), (4, 64), (8, -1))
+DEFAULT_CANDIDATES: tuple[Candidate, ...] = ((3, 128), (3, 64), (3, 32), (4, -1), (4, 128), (4, 64), (8, -1))
+# 3-bit per channel joins the default set only when no other pair fits the budget uniformly: the loss
+# measure prices it cheaply and the model's KL does not (benchmarks/quant.py rows mixed-*-no3ch)
+LOW_BUDGET_CANDIDATES: tuple[Candidate, ...] = ((3, -1),)
 TWO_BIT_CANDIDATES: tuple[Candidate, ...] = ((2, 64), (2, 32))
 
 

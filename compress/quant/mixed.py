@@ -9,9 +9,13 @@ Run it (what ``layercut quantize --avg-bits X`` does between sensitivity and wri
     verdict = fallback_check(model, calib, check, cfg, mixed_plan, baseline_plan, mixed_result)
 
 **Candidates** are (bits, group size) pairs (group size -1: one group per output row).
-The default set is :data:`DEFAULT_CANDIDATES`; the 2-bit pairs :data:`TWO_BIT_CANDIDATES`
-join it only when the budget is below the cost of uniform 3-bit per channel (so always
-below 3.0 bits/weight), or when the user lists them. Pairs whose group size divides no
+The default set is :data:`DEFAULT_CANDIDATES`; 3-bit per channel (:data:`LOW_BUDGET_CANDIDATES`)
+joins it only when no other default pair fits the budget uniformly (on SmolLM2: below uniform
+3g64's 3.297 bits/weight), so that there is a uniform baseline; the loss measure prices 3ch
+cheaply and the model's KL does not (chosen on the validation text, ``benchmarks/quant.py`` rows
+``mixed-*-no3ch``); the 2-bit pairs
+:data:`TWO_BIT_CANDIDATES` join only when the budget is below the cost of uniform 3-bit per
+channel (so always below 3.0 bits/weight), or when the user lists them. Pairs whose group size divides no
 unit's in_features are dropped from the default set, and refused when listed.
 
 **Baseline**: the most expensive candidate whose *uniform* cost fits the budget (every
@@ -43,6 +47,7 @@ from compress.arch import arch_for
 from compress.errors import LayercutError
 from compress.quant.allocate import (
     DEFAULT_CANDIDATES,
+    LOW_BUDGET_CANDIDATES,
     TWO_BIT_CANDIDATES,
     Candidate,
     Unit,
@@ -85,6 +90,8 @@ def resolve_candidates(
     ins = sorted({k for u in units for k in u.in_features})
     if explicit is None:
         cands = [c for c in DEFAULT_CANDIDATES if any(u.fits(c[1]) for u in units)]
+        if not any(_fits_all(units, c) and _total(units, c) <= budget for c in cands):  # no uniform baseline
+            cands += list(LOW_BUDGET_CANDIDATES)
         if budget < _total(units, (3, -1)):
             cands += [c for c in TWO_BIT_CANDIDATES if any(u.fits(c[1]) for u in units)]
     else:

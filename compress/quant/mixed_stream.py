@@ -58,6 +58,13 @@ class StreamedOutputs:
         self.writers[kind] = ShardWriter(sub, self.max_shard_size, always_index=True)
         return write_block_fn(self.lazy, self.writers[kind], self.save_dtype)
 
+    def discard(self, kind: str) -> None:
+        """Drop ``kind``'s unfinished checkpoint (its blocks so far), so it can be written again."""
+        writer = self.writers.pop(kind)
+        if writer._data is not None:
+            writer._data.close()
+        shutil.rmtree(self.folder / f".{kind}")
+
     def finish(self, kind: str, result: QuantizeResult) -> None:
         """After ``kind``'s last block: its non-block tensors, index and config."""
         write_rest(self.lazy, result, self.writers.pop(kind), self.folder / f".{kind}", self.save_dtype)

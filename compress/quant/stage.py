@@ -389,6 +389,7 @@ def quantize_model(
     device: str | torch.device | None = None,
     progress: bool = True,
     after_block: Callable[[BlockRun, QuantizeResult], None] | None = None,
+    probe: Callable[[list[str], list[Tensor], Tensor], None] | None = None,
 ) -> QuantizeResult:
     """Quantize every target linear of ``model`` in place (weights ← dequantized GPTQ weights).
 
@@ -399,7 +400,9 @@ def quantize_model(
     model's device). Returns the packed tensors of each linear for
     :func:`compress.quant.checkpoint.save_quantized`. ``after_block(run)`` is called once
     each block is quantized (GPTQ and RTN): a streamed run writes the block there and frees
-    its packed tensors from ``result``.
+    its packed tensors from ``result``. ``probe(names, Ws, H)`` (GPTQ only) sees each fused
+    group's float weights and Hessian just before their solve and must leave both unchanged
+    (:mod:`compress.quant.refine` re-solves other candidates there).
     """
     targets = check_model(model, cfg, bits)
     plan = linear_plan(cfg, bits, [name for _, _, name, _ in targets])
@@ -431,8 +434,10 @@ def quantize_model(
                 Ws = [linear_weight(module, spec.conv1d).detach() for _, module in items]
                 for (name, _), W in zip(items, Ws):
                     check_finite(W, name)
-                t0 = time.perf_counter()
                 box[0] = box[0].to(Ws[0].device)
+                if probe is not None:  # its solves are not counted in solve_seconds
+                    probe([name for name, _ in items], Ws, box[0])
+                t0 = time.perf_counter()
                 b, gs = plan[items[0][0]]  # one pair per fused group (checked)
                 parts = solve_group(Ws, box, b, replace(cfg, group_size=gs), overwrite_h=True)
                 result.solve_seconds += time.perf_counter() - t0

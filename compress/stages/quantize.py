@@ -17,7 +17,10 @@ layer) gets one (bits, group size) candidate, chosen by
 measurements under the budget Σ C_u(c_u) ≤ X·Σ n_u, C_u(b, gs) = n_u·b + groups·(16 + b)
 (scales and zeros counted); candidates, the uniform baseline and the fallback check are
 :mod:`compress.quant.mixed`'s. The first ``sensitivity_samples`` calibration sequences
-measure the sensitivities; the fallback check then quantizes the uniform baseline too and
+measure the sensitivities. With ``refine`` (GPTQ, ``sensitivity="loss"``) the quantize pass
+of the chosen allocation also re-solves each unit's neighbouring candidates on the Hessian of
+the quantized prefix (:mod:`compress.quant.refine`), the allocation is solved again on those
+losses, and quantized again if it moved. The fallback check then quantizes the uniform baseline too and
 writes it instead when the mixed model's KL to the float model is not lower on
 ``sensitivity_samples`` further sequences drawn after the calibration windows' part of the
 text (disjoint from every sequence behind the Hessians and sensitivities); one line on
@@ -95,8 +98,8 @@ class QuantizeConfig(StageConfig, TextOptions):
     candidates: str | list[int | str] | None = Field(
         None, description="(bits, group size) pairs the per-unit choice picks from: 3g64 = 3 bits in groups of 64 "
                           "columns, 4ch = 4 bits with one group per row, a bare 4 = 4 bits at --group-size; "
-                          "none = 3ch,3g128,3g64,3g32,4ch,4g128,4g64,8ch, plus 2g64,2g32 when the budget is "
-                          "below uniform 3ch", json_schema_extra={"metavar": "LIST"})
+                          "none = 3g128,3g64,3g32,4ch,4g128,4g64,8ch, plus 3ch when no other pair fits the "
+                          "budget uniformly, and 2g64,2g32 when it is below uniform 3ch", json_schema_extra={"metavar": "LIST"})
     unit: Literal["layer", "group"] = Field("group", description="what gets one configuration: each group of "
                                                                  "linears sharing an input (fused by servers), or "
                                                                  "a whole decoder layer")
@@ -107,6 +110,11 @@ class QuantizeConfig(StageConfig, TextOptions):
                             "forward per unit and candidate), or the model's KL (exact, slow)")
     sensitivity_samples: int = Field(16, ge=1, description="calibration sequences used to measure sensitivity; as "
                                                            "many more, held apart, judge the fallback check")
+    refine: bool = Field(False, description="one refinement round (GPTQ with --sensitivity loss): while the "
+                                            "chosen allocation is quantized, re-solve each unit's neighbouring "
+                                            "candidates on the Hessian of the quantized prefix, solve the "
+                                            "allocation again, and quantize again if it moved (off: on the "
+                                            "validation text it moved 4-10 units and did not lower the KL)")
     fallback_check: bool = Field(True, description="also quantize the uniform baseline (the costliest candidate "
                                                    "that fits the budget uniformly) and write it instead when the "
                                                    "mixed result's KL to the float model is not lower on held-apart "
@@ -194,7 +202,8 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
 
     from calibrate.data import CalibSet, calibration_batch
     from compress.quant.allocate import allocate_bits, candidate_label, uniform_candidates
-    from compress.quant.mixed import fallback_check, float_weights, held_apart, resolve_candidates
+    from compress.quant.mixed import _load, fallback_check, float_weights, held_apart, resolve_candidates
+    from compress.quant.refine import Refiner
     from compress.quant.sensitivity import allocation_units, expand_bits, measure_sensitivity
     from compress.quant.stage import check_model, quantize_model
 
@@ -231,28 +240,49 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
                                batch_size=config.batch_size, device=device, progress=progress)
     alloc_units = [u.to_unit(sens.delta[u.name]) for u in units]
     alloc = allocate_bits(alloc_units, config.avg_bits, candidates=cands, max_cells=MAX_DP_CELLS)
-    plan = expand_bits(units, alloc.choice)
+    refiner = (Refiner(units, alloc_units, alloc, cands, cfg)
+               if config.refine and config.sensitivity == "loss" and config.method == "gptq" else None)
+    gptq_calib = calib if config.method == "gptq" else None
+    fp = float_weights(net) if (config.fallback_check or refiner is not None) and stream is None else None
+
+    def quantize(choice, probe=None):
+        return quantize_model(net, gptq_calib, cfg, expand_bits(units, choice), batch_size=config.batch_size,
+                              device=device, progress=progress, probe=probe,
+                              after_block=stream.block_writer("mixed") if stream is not None else None)
+
+    result = quantize(alloc.choice, refiner.probe if refiner is not None else None)
+    refined = None
+    if refiner is not None:  # solve again on the losses at the operating point; quantize again if it moved
+        refined = refiner.refined(result)
+        second = allocate_bits(refined, config.avg_bits, candidates=cands, max_cells=MAX_DP_CELLS)
+        t0 = time.perf_counter()
+        if second.choice != alloc.choice:
+            if stream is None:
+                _load(net, fp)
+            else:
+                stream.discard("mixed")
+            result = quantize(second.choice)
+        refine_info = refiner.summary(refined, second, time.perf_counter() - t0)
+        alloc = second
+    else:
+        refine_info = {"run": False, "why": "switched off" if not config.refine else
+                       "needs GPTQ with --sensitivity loss"}
     check = config.fallback_check and set(alloc.choice.values()) != {baseline}
-    fp = float_weights(net) if check and stream is None else None
-    result = quantize_model(net, calib if config.method == "gptq" else None, cfg, plan,
-                            batch_size=config.batch_size, device=device, progress=progress,
-                            after_block=stream.block_writer("mixed") if stream is not None else None)
     verdict = None
     if check:
         held, how = held_apart(tokenizer, config.text_sources(), n, config.seq_len, seed, config.samples)
-        uniform_plan = {name: baseline for name in plan}
+        uniform_plan = {name: baseline for name in expand_bits(units, alloc.choice)}
         if stream is None:
-            verdict, result = fallback_check(net, calib if config.method == "gptq" else None, held, cfg, fp, result,
-                                             uniform_plan, batch_size=config.batch_size, device=device,
-                                             progress=progress)
+            verdict, result = fallback_check(net, gptq_calib, held, cfg, fp, result, uniform_plan,
+                                             batch_size=config.batch_size, device=device, progress=progress)
         else:
-            verdict, result = stream.fallback_check(calib if config.method == "gptq" else None, held, cfg, result,
-                                                    uniform_plan, batch_size=config.batch_size, device=device,
+            verdict, result = stream.fallback_check(gptq_calib, held, cfg, result, uniform_plan,
+                                                    batch_size=config.batch_size, device=device,
                                                     progress=progress)
         verdict.data = how
-        del fp
     elif stream is not None:
         stream.finish("mixed", result)
+    del fp
     kept = "uniform" if verdict is not None and verdict.keep == "uniform" else "mixed"
     base_label = candidate_label(baseline) if baseline is not None else None
     labels = ",".join(map(candidate_label, cands))
@@ -266,16 +296,18 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
                   baseline=base_label, unit=config.unit, sensitivity=config.sensitivity, sensitivity_samples=n,
                   sensitivity_seconds=sens.seconds, bits_histogram=alloc.histogram(),
                   config_histogram=alloc.pair_histogram(), predicted_delta=alloc.total_delta,
-                  allocated_avg_bits=alloc.avg_bits, fallback=fallback, written=kept,
+                  allocated_avg_bits=alloc.avg_bits, fallback=fallback, refine=refine_info, written=kept,
                   uniform_avg_bits={candidate_label(c): v for c, v in uniform_candidates(alloc_units, cands).items()})
     alloc_json = json.dumps(strip_volatile({
         "budget_avg_bits": config.avg_bits, "avg_bits": alloc.avg_bits, "method": alloc.method,
         "candidates": report["candidates"], "baseline": base_label, "unit": config.unit, "written": kept,
-        "fallback": fallback, "sensitivity": sens.to_dict(),
+        "fallback": fallback, "refine": refine_info, "sensitivity": sens.to_dict(),
         "units": [{"name": u.name, "linears": list(u.linears), "n_weights": u.n_weights,
                    "bits": alloc.bits[u.name], "group_size": alloc.group_size[u.name],
                    "config": candidate_label(alloc.choice[u.name]),
-                   "delta": {candidate_label(c): v for c, v in sens.delta[u.name].items()}} for u in units],
+                   "delta": {candidate_label(c): v for c, v in sens.delta[u.name].items()},
+                   **({"delta_refined": {candidate_label(c): v for c, v in r.delta.items()}} if refined else {})}
+                  for u, r in zip(units, refined or units)],
     }), indent=2) + "\n"
     report.update(avg_bits=result.avg_bits(), quantize_seconds=result.seconds, solve_seconds=result.solve_seconds,
                   linears=len(result.layers), tokens=result.tokens)

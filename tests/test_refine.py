@@ -1,0 +1,122 @@
+"""The allocator's refinement round (compress/quant/refine.py): neighbours, losses at the operating point, re-solve.
+
+Tiny llama (hidden 64, intermediate 128), group units, candidates that fit every unit.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from compress.quant.allocate import allocate_bits
+from compress.quant.loader import load_quantized
+from compress.quant.refine import Refiner, neighbours
+from compress.quant.sensitivity import allocation_units, expand_bits, measure_sensitivity
+from compress.quant.stage import QuantConfig, quantize_model
+from compress.stages.quantize import QuantizeConfig, run
+from tests.test_mixed_precision import _unit, small_dir  # noqa: F401  (fixture)
+from tests.test_quantize import _calib, small_model
+
+CANDS = [(3, -1), (3, 32), (4, 32), (8, -1)]
+
+
+def test_neighbours_follow_the_units_cost_order():
+    """Red if neighbours were taken in list order instead of cost order, included a group size
+    the unit cannot take, or ran off either end."""
+    qkv = _unit("qkv", [(960, 576)])  # g128 does not divide 576
+    cands = [(8, -1), (4, 64), (3, 64), (3, 128), (3, -1), (4, -1)]
+    # qkv's cost order: 3ch < 3g64 < 4ch < 4g64 < 8ch
+    assert neighbours(qkv, (3, 64), cands) == [(3, -1), (4, -1)]
+    assert neighbours(qkv, (3, -1), cands) == [(3, 64)]
+    assert neighbours(qkv, (8, -1), cands) == [(4, 64)]
+    down = _unit("down", [(576, 1536)])  # g128 fits: 3ch < 3g128 < 3g64
+    assert neighbours(down, (3, 128), cands) == [(3, -1), (3, 64)]
+
+
+def test_probe_measures_the_neighbours_on_the_quantized_prefix(tiny_tokenizer):
+    """Block 0 sees float inputs in both passes, so its re-measured losses equal the sensitivity
+    pass's; block 1 sees quantized block 0, so they move. The probe leaves the pass itself
+    unchanged, unmeasured candidates are rescaled with the unit's choice, and the DP on the refined
+    table is at least as good there as the first allocation. Red if a probe loss went to another
+    unit or candidate, the probe disturbed H or W, or the Hessian were not the operating point's."""
+    model = small_model("llama", layers=2)
+    units = allocation_units(model, "group")
+    cfg, calib = QuantConfig(group_size=32), _calib(tiny_tokenizer, n=4)
+    sens = measure_sensitivity(model, calib, units, CANDS, cfg, batch_size=2, progress=False)
+    table = [u.to_unit(sens.delta[u.name]) for u in units]
+    alloc = allocate_bits(table, 4.0, candidates=CANDS)
+    refiner = Refiner(units, table, alloc, CANDS, cfg)
+    plan = expand_bits(units, alloc.choice)
+    probed = quantize_model(copy.deepcopy(model), calib, cfg, plan, batch_size=2, progress=False,
+                            probe=refiner.probe)
+    plain = quantize_model(copy.deepcopy(model), calib, cfg, plan, batch_size=2, progress=False)
+    assert probed.layers.keys() == plain.layers.keys()
+    for n, ql in plain.layers.items():
+        assert all(torch.equal(t, probed.layers[n].tensors[k]) for k, t in ql.tensors.items()), n
+    assert refiner.solves == sum(len(neighbours(u, alloc.choice[u.name], CANDS)) for u in table)
+    refined = refiner.refined(probed)
+    moved = 0
+    for au, u, r in zip(units, table, refined):
+        choice = alloc.choice[u.name]
+        near = neighbours(u, choice, CANDS)
+        measured = [choice, *near]
+        if au.block == 0:
+            for c in measured:
+                assert r.delta[c] == pytest.approx(u.delta[c], rel=1e-4), (u.name, c)
+        else:
+            moved += sum(r.delta[c] != pytest.approx(u.delta[c], rel=1e-3) for c in measured)
+        scale = r.delta[choice] / u.delta[choice]
+        for c in set(CANDS) - set(measured):
+            assert r.delta[c] == pytest.approx(u.delta[c] * scale, rel=1e-9), (u.name, c)
+    assert moved > 0
+    second = allocate_bits(refined, 4.0, candidates=CANDS)
+    info = refiner.summary(refined, second, 0.0)
+    assert info["predicted_delta_refined"] <= info["predicted_delta_first"] + 1e-12
+    assert info["changed_units"] == len(info["first_choice"])
+
+
+def test_a_moved_allocation_is_quantized_again_streamed_and_whole(small_dir, tmp_path, monkeypatch):  # noqa: F811
+    """When the refined table moves the allocation (forced here: fewer bits look harmless), the
+    second allocation is what gets written, streamed and whole-model alike, and the streamed run's
+    first, discarded pass leaves nothing behind. Red if the first plan were written, the streamed
+    discard left a folder, or the two paths diverged."""
+    from safetensors.torch import load_file
+
+    real = Refiner.refined
+
+    def forced(self, result):
+        return [replace(u, delta={c: float(c[0]) for c in u.delta}) for u in real(self, result)]
+
+    monkeypatch.setattr(Refiner, "refined", forced)
+    kw = dict(avg_bits=4.3, candidates="3g32,4g32,8ch", samples=4, seq_len=32, sensitivity_samples=2,
+              batch_size=2, fallback_check=False, refine=True)
+    streamed = run(QuantizeConfig(**kw), str(small_dir), tmp_path / "s")
+    whole = run(QuantizeConfig(whole_model=True, **kw), str(small_dir), tmp_path / "w")
+    for rep in (streamed, whole):
+        assert rep["refine"]["run"] and rep["refine"]["changed_units"] > 0, rep["refine"]
+        assert rep["config_histogram"] == {"3g32": 12} and rep["written"] == "mixed"
+    assert streamed["refine"]["first_choice"] == whole["refine"]["first_choice"]
+    a = {k: v for f in sorted((tmp_path / "s").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    b = {k: v for f in sorted((tmp_path / "w").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+    assert not [p for p in (tmp_path / "s").iterdir() if p.name.startswith(".")]
+    assert {m.bits for m in load_quantized(tmp_path / "s").modules() if hasattr(m, "qweight")} == {3}
+    saved = json.loads((tmp_path / "s" / "allocation.json").read_text())
+    assert saved["refine"]["changed_units"] == streamed["refine"]["changed_units"]
+    assert all(set(u["delta_refined"]) == set(u["delta"]) for u in saved["units"])
+
+
+def test_refine_is_skipped_without_the_loss_measure(small_dir, tmp_path):  # noqa: F811
+    """The round re-measures GPTQ's loss, so with another measure it does not run and the report
+    says why. Red if it ran on a table of another scale, or silently."""
+    rep = run(QuantizeConfig(avg_bits=4.3, candidates="3g32,4g32,8ch", samples=4, seq_len=32, sensitivity_samples=2,
+                             batch_size=2, fallback_check=False, sensitivity="output", refine=True), str(small_dir),
+                         tmp_path / "o")
+    assert rep["refine"] == {"run": False, "why": "needs GPTQ with --sensitivity loss"}
+    off = run(QuantizeConfig(avg_bits=4.3, candidates="3g32,4g32,8ch", samples=4, seq_len=32, sensitivity_samples=2,
+                             batch_size=2, fallback_check=False), str(small_dir), tmp_path / "f")
+    assert off["refine"] == {"run": False, "why": "switched off"}
