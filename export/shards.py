@@ -128,6 +128,12 @@ class ShardWriter:
         (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         return paths
 
+    def abort(self) -> None:
+        """Stop without finishing: close the open data file (the caller deletes the folder)."""
+        if self._data is not None:
+            self._data.close()
+            self._data = None
+
     def __enter__(self) -> ShardWriter:
         return self
 

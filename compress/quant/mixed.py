@@ -9,13 +9,13 @@ Run it (what ``layercut quantize --avg-bits X`` does between sensitivity and wri
     verdict = fallback_check(model, calib, check, cfg, mixed_plan, baseline_plan, mixed_result)
 
 **Candidates** are (bits, group size) pairs (group size -1: one group per output row).
-The default set is :data:`DEFAULT_CANDIDATES`; 3-bit per channel (:data:`LOW_BUDGET_CANDIDATES`)
+The default set is :data:`DEFAULT_CANDIDATES`. 3-bit per channel (:data:`LOW_BUDGET_CANDIDATES`)
 joins it only when no other default pair fits the budget uniformly (on SmolLM2: below uniform
-3g64's 3.297 bits/weight), so that there is a uniform baseline; the loss measure prices 3ch
-cheaply and the model's KL does not (chosen on the validation text, ``benchmarks/quant.py`` rows
-``mixed-*-no3ch``); the 2-bit pairs
-:data:`TWO_BIT_CANDIDATES` join only when the budget is below the cost of uniform 3-bit per
-channel (so always below 3.0 bits/weight), or when the user lists them. Pairs whose group size divides no
+3g64's 3.297 bits/weight), so that a uniform baseline exists: the loss measure prices 3ch
+cheaply and the model's KL does not (chosen on the validation text, ``benchmarks/quant.py``
+rows ``mixed-*-no3ch``). The 2-bit pairs :data:`TWO_BIT_CANDIDATES` join only when the budget
+is below the cost of uniform 3-bit per channel (so always below 3.0 bits/weight), or when the
+user lists them. Pairs whose group size divides no
 unit's in_features are dropped from the default set, and refused when listed.
 
 **Baseline**: the most expensive candidate whose *uniform* cost fits the budget (every

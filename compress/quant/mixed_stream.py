@@ -60,9 +60,7 @@ class StreamedOutputs:
 
     def discard(self, kind: str) -> None:
         """Drop ``kind``'s unfinished checkpoint (its blocks so far), so it can be written again."""
-        writer = self.writers.pop(kind)
-        if writer._data is not None:
-            writer._data.close()
+        self.writers.pop(kind).abort()
         shutil.rmtree(self.folder / f".{kind}")
 
     def finish(self, kind: str, result: QuantizeResult) -> None:

@@ -6,7 +6,9 @@ default: on the validation text it moved 4-10 of 120 units and did not lower the
 
     refiner = Refiner(units, alloc_units, alloc, cands, cfg)
     result = quantize_model(model, calib, cfg, plan, probe=refiner.probe)   # the chosen allocation
-    alloc2 = allocate_bits(refiner.table(result), avg_bits, candidates=cands)
+    alloc2 = allocate_bits(refiner.refined(result), avg_bits, candidates=cands)
+    # or all of it, re-quantizing when the allocation moved:
+    alloc2, result, refined, info = refiner.round(result, avg_bits, quantize, restore)
 
 The sensitivity pass measures every Δ_u(c) = ½ tr(ΔW H ΔWᵀ) with H from the *float* model's
 inputs: every other unit unquantized. The quantize pass that follows runs at the operating
@@ -14,7 +16,7 @@ point: block l's Hessian comes from the inputs of blocks 0..l−1 quantized with
 allocation, so every unit's loss is what it really costs there. At each fused group's turn,
 before the chosen solve, :meth:`Refiner.probe` re-solves the candidates next to the unit's
 choice (in cost order: the next cheaper and the next dearer candidate that fit) on that same
-Hessian and keeps only their losses. :meth:`Refiner.table` then builds the refined table per
+Hessian and keeps only their losses. :meth:`Refiner.refined` then builds the refined table per
 unit: the chosen and neighbouring candidates take their losses at the operating point, and the
 unit's other candidates are scaled by the same factor as its chosen one (new / old loss at the
 choice), so all of a unit's entries stay on one scale. The DP is solved again on that table.
@@ -24,12 +26,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from torch import Tensor
 
-from compress.quant.allocate import Allocation, Candidate, Unit, candidate_label
+from compress.quant.allocate import Allocation, Candidate, Unit, allocate_bits, candidate_label
 from compress.quant.stage import QuantConfig, QuantizeResult, solve_group
 
 
@@ -95,3 +97,17 @@ class Refiner:
                 "probe_seconds": self.probe_seconds, "requantize_seconds": requantize_seconds,
                 "predicted_delta_first": first, "predicted_delta_refined": second.total_delta,
                 "first_choice": {n: candidate_label(self.alloc.choice[n]) for n in changed}}
+
+    def round(self, result: QuantizeResult, avg_bits: float, quantize: Callable[[dict], QuantizeResult],
+              restore: Callable[[], None], max_cells: int = 100_000,
+              ) -> tuple[Allocation, QuantizeResult, list[Unit], dict]:
+        """Solve again on the refined table of ``result`` (the probed pass); when the allocation
+        moved, ``restore()`` the float weights and ``quantize(choice)`` the new one. Returns
+        (allocation, kept result, refined table, :meth:`summary`)."""
+        refined = self.refined(result)
+        second = allocate_bits(refined, avg_bits, candidates=self.cands, max_cells=max_cells)
+        t0 = time.perf_counter()
+        if second.choice != self.alloc.choice:
+            restore()
+            result = quantize(second.choice)
+        return second, result, refined, self.summary(refined, second, time.perf_counter() - t0)

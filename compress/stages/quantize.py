@@ -243,7 +243,8 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
     refiner = (Refiner(units, alloc_units, alloc, cands, cfg)
                if config.refine and config.sensitivity == "loss" and config.method == "gptq" else None)
     gptq_calib = calib if config.method == "gptq" else None
-    fp = float_weights(net) if (config.fallback_check or refiner is not None) and stream is None else None
+    need_fp = refiner is not None or (config.fallback_check and set(alloc.choice.values()) != {baseline})
+    fp = float_weights(net) if need_fp and stream is None else None  # restored for the uniform pass / round
 
     def quantize(choice, probe=None):
         return quantize_model(net, gptq_calib, cfg, expand_bits(units, choice), batch_size=config.batch_size,
@@ -253,17 +254,9 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
     result = quantize(alloc.choice, refiner.probe if refiner is not None else None)
     refined = None
     if refiner is not None:  # solve again on the losses at the operating point; quantize again if it moved
-        refined = refiner.refined(result)
-        second = allocate_bits(refined, config.avg_bits, candidates=cands, max_cells=MAX_DP_CELLS)
-        t0 = time.perf_counter()
-        if second.choice != alloc.choice:
-            if stream is None:
-                _load(net, fp)
-            else:
-                stream.discard("mixed")
-            result = quantize(second.choice)
-        refine_info = refiner.summary(refined, second, time.perf_counter() - t0)
-        alloc = second
+        alloc, result, refined, refine_info = refiner.round(
+            result, config.avg_bits, quantize, (lambda: _load(net, fp)) if stream is None else
+            (lambda: stream.discard("mixed")), max_cells=MAX_DP_CELLS)
     else:
         refine_info = {"run": False, "why": "switched off" if not config.refine else
                        "needs GPTQ with --sensitivity loss"}
@@ -282,7 +275,7 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
         verdict.data = how
     elif stream is not None:
         stream.finish("mixed", result)
-    del fp
+    fp = None  # frees the float copy
     kept = "uniform" if verdict is not None and verdict.keep == "uniform" else "mixed"
     base_label = candidate_label(baseline) if baseline is not None else None
     labels = ",".join(map(candidate_label, cands))
