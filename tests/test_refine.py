@@ -110,13 +110,25 @@ def test_a_moved_allocation_is_quantized_again_streamed_and_whole(small_dir, tmp
     assert all(set(u["delta_refined"]) == set(u["delta"]) for u in saved["units"])
 
 
-def test_refine_is_skipped_without_the_loss_measure(small_dir, tmp_path):  # noqa: F811
-    """The round re-measures GPTQ's loss, so with another measure it does not run and the report
-    says why. Red if it ran on a table of another scale, or silently."""
-    rep = run(QuantizeConfig(avg_bits=4.3, candidates="3g32,4g32,8ch", samples=4, seq_len=32, sensitivity_samples=2,
-                             batch_size=2, fallback_check=False, sensitivity="output", refine=True), str(small_dir),
-                         tmp_path / "o")
-    assert rep["refine"] == {"run": False, "why": "needs GPTQ with --sensitivity loss"}
+@pytest.mark.parametrize("argv", [
+    ["--avg-bits", "4.3", "--refine", "--sensitivity", "output"],
+    ["--avg-bits", "4.3", "--refine", "--method", "rtn"],
+    ["--bits", "4", "--refine"],
+])
+def test_refine_refuses_what_it_cannot_refine(small_dir, tmp_path, capsys, argv):  # noqa: F811
+    """The round re-solves GPTQ's loss per unit: asked for with another measure, RTN or uniform bits
+    it is one clear error before any work, and nothing is written. Red if it ran on a table of
+    another scale, or was silently skipped."""
+    from compress.cli import main
+
+    out = tmp_path / "bad"
+    code = main(["quantize", str(small_dir), "-o", str(out), *argv])
+    err = capsys.readouterr().err
+    assert code != 0 and "refine re-solves GPTQ's loss per unit" in err, err
+    assert not out.exists()
+
+
+def test_refine_off_says_so(small_dir, tmp_path):  # noqa: F811
     off = run(QuantizeConfig(avg_bits=4.3, candidates="3g32,4g32,8ch", samples=4, seq_len=32, sensitivity_samples=2,
                              batch_size=2, fallback_check=False), str(small_dir), tmp_path / "f")
     assert off["refine"] == {"run": False, "why": "switched off"}

@@ -158,6 +158,10 @@ class QuantizeConfig(StageConfig, TextOptions):
             raise ValueError(f"bits must be one of {', '.join(map(str, SUPPORTED_BITS))}, got {self.bits}")
         if self.group_size != -1 and self.group_size <= 0:
             raise ValueError(f"group_size must be -1 (one group per row) or positive, got {self.group_size}")
+        if self.refine and (self.avg_bits is None or self.method != "gptq" or self.sensitivity != "loss"):
+            raise ValueError("refine re-solves GPTQ's loss per unit: it needs avg_bits with method gptq and "
+                             f"sensitivity loss (got avg_bits {self.avg_bits}, method {self.method}, "
+                             f"sensitivity {self.sensitivity})")
         cands = self.candidate_pairs()
         if cands is not None and (not cands or any(b not in SUPPORTED_BITS for b, _ in cands)):
             raise ValueError(f"candidates must be among {', '.join(map(str, SUPPORTED_BITS))} bits, got "
@@ -240,8 +244,7 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
                                batch_size=config.batch_size, device=device, progress=progress)
     alloc_units = [u.to_unit(sens.delta[u.name]) for u in units]
     alloc = allocate_bits(alloc_units, config.avg_bits, candidates=cands, max_cells=MAX_DP_CELLS)
-    refiner = (Refiner(units, alloc_units, alloc, cands, cfg)
-               if config.refine and config.sensitivity == "loss" and config.method == "gptq" else None)
+    refiner = Refiner(units, alloc_units, alloc, cands, cfg) if config.refine else None  # GPTQ + loss (checked)
     gptq_calib = calib if config.method == "gptq" else None
     need_fp = refiner is not None or (config.fallback_check and set(alloc.choice.values()) != {baseline})
     fp = float_weights(net) if need_fp and stream is None else None  # restored for the uniform pass / round
@@ -258,8 +261,7 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
             result, config.avg_bits, quantize, (lambda: _load(net, fp)) if stream is None else
             (lambda: stream.discard("mixed")), max_cells=MAX_DP_CELLS)
     else:
-        refine_info = {"run": False, "why": "switched off" if not config.refine else
-                       "needs GPTQ with --sensitivity loss"}
+        refine_info = {"run": False, "why": "switched off"}
     check = config.fallback_check and set(alloc.choice.values()) != {baseline}
     verdict = None
     if check:
