@@ -32,10 +32,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def child(mode: str, samples: int, seq_len: int, batch_size: int) -> dict:
     import torch
 
-    from calibrate.capture import run_blocks
-    from calibrate.data import calibration_batch
-    from calibrate.stats import CosineStats, GramStats
-    from compress.models import load_model, resolve_model, weight_bytes
+    from layercut.calibrate.capture import run_blocks
+    from layercut.calibrate.data import calibration_batch
+    from layercut.calibrate.stats import CosineStats, GramStats
+    from layercut.compress.models import load_model, resolve_model, weight_bytes
 
     model, tok = load_model(MODEL)
     out = {"mode": mode, "dense_bytes": weight_bytes(resolve_model(MODEL))}

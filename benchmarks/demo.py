@@ -7,7 +7,7 @@ Run (both recipes, each followed by a longer test eval; about 7 minutes on 2 fre
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/demo.py --choose   # -> benchmarks/results/demo-choice.json
 
 Measuring: converts the bundled model first if it is not cached (timed apart as ``convert_s``),
-then runs ``python -m compress.cli -q run RECIPE -o RUN_DIR`` for each of ``RECIPES`` in one
+then runs ``python -m layercut.cli -q run RECIPE -o RUN_DIR`` for each of ``RECIPES`` in one
 child process (the CLI's own threads unless ``--threads``) and takes its wall time, CPU time and
 peak RSS from ``os.wait4``, with the load average before and after. Size: the output's
 safetensors bytes against the source in bf16 (2 bytes per parameter of the source, as its eval
@@ -72,14 +72,14 @@ CANDIDATES: dict[str, dict] = {
 
 
 def run_child(args: list[str], log: Path, threads: int | None = None) -> tuple[int, float, float, float]:
-    """Run ``python -m compress.cli ARGS`` in ROOT; (exit code, wall s, CPU s, peak RSS MiB).
+    """Run ``python -m layercut.cli ARGS`` in ROOT; (exit code, wall s, CPU s, peak RSS MiB).
 
     ``threads``: OMP_NUM_THREADS for the child (none: the CLI's own setting, all cores).
     """
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     with open(log, "a") as fh:
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "compress.cli", *args], cwd=ROOT, stdout=fh,
+        proc = subprocess.Popen([sys.executable, "-m", "layercut.cli", *args], cwd=ROOT, stdout=fh,
                                 stderr=subprocess.STDOUT, env=env)
         _pid, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - t0
@@ -110,7 +110,7 @@ def quality(report: dict, run_dir: Path) -> dict:
 
 
 def measure(name: str, recipe: str, work: Path, long_tokens: int, threads: int | None) -> dict:
-    from compress.recipe import Recipe
+    from layercut.compress.recipe import Recipe
 
     run_dir, log = work / name, work / f"{name}.log"
     load_before = os.getloadavg()
@@ -172,8 +172,8 @@ def choice_table(choice: dict) -> str:
 
 
 def main_measure(args: argparse.Namespace) -> None:
-    from compress.pipeline import summary_table
-    from compress.recipe import Recipe
+    from layercut.compress.pipeline import summary_table
+    from layercut.compress.recipe import Recipe
 
     names = args.only.split(",") if args.only else list(RECIPES)
     out = Path(args.json_out)
@@ -181,7 +181,7 @@ def main_measure(args: argparse.Namespace) -> None:
     data.setdefault("runs", {})
     model = Recipe.from_yaml(ROOT / RECIPES[names[0]]).model
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", f"from compress.models import resolve_model; resolve_model({model!r})"],
+    subprocess.run([sys.executable, "-c", f"from layercut.compress.models import resolve_model; resolve_model({model!r})"],
                    cwd=ROOT, check=True)
     data.update(machine=f"{platform.machine()}, {os.cpu_count()} CPU cores", convert_s=time.perf_counter() - t0)
     work = Path(args.work or tempfile.mkdtemp(prefix="layercut-demo-"))
@@ -202,7 +202,7 @@ def candidate_recipe(name: str) -> dict:
     """The demo recipe with the candidate's knobs, evaluated on the validation text."""
     import yaml
 
-    from compress.recipe import Recipe
+    from layercut.compress.recipe import Recipe
 
     data = yaml.safe_load((ROOT / RECIPES["demo"]).read_text())
     for item in data["stages"]:
@@ -221,7 +221,7 @@ def _reuse(done: dict[str, list], stages: list[dict], run_dir: Path) -> bool:
     An existing ``run_dir`` keeps its stages up to the first that differs; a new one copies
     those of the finished run sharing the most leading stages.
     """
-    from compress.pipeline import stage_dir_name
+    from layercut.compress.pipeline import stage_dir_name
 
     def common(prev: list[dict]) -> int:
         return next((i for i, (a, b) in enumerate(zip(stages, prev)) if a != b), min(len(stages), len(prev)))
@@ -243,7 +243,7 @@ def _reuse(done: dict[str, list], stages: list[dict], run_dir: Path) -> bool:
 def main_choose(args: argparse.Namespace) -> None:
     import yaml
 
-    from compress.recipe import Recipe
+    from layercut.compress.recipe import Recipe
 
     work = Path(args.work or "/tmp/layercut-demo-choice")
     work.mkdir(parents=True, exist_ok=True)

@@ -44,19 +44,19 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from calibrate import DEFAULT_EVAL_TEXT  # noqa: E402
-from calibrate.capture import run_blocks  # noqa: E402
-from calibrate.data import calibration_batch  # noqa: E402
-from compress.arch import arch_for  # noqa: E402
-from compress.depth.blocks import drop_blocks  # noqa: E402
-from compress.depth.cores import runs_of  # noqa: E402
-from compress.depth.fuse import CoeffFitter, apply_fuse, plan_groups  # noqa: E402
-from compress.depth.replace import SpanFitter, merge_maps, plan_spans  # noqa: E402
-from compress.depth.sublayers import drop_sublayers  # noqa: E402
-from compress.evaluate import count_params, evaluate  # noqa: E402
-from compress.models import load_model, resolve_model  # noqa: E402
-from compress.select import compute_scores, gate_norm_scores, select_blocks, select_sublayers  # noqa: E402
-from compress.select.cores import lowest  # noqa: E402
+from layercut.calibrate import DEFAULT_EVAL_TEXT  # noqa: E402
+from layercut.calibrate.capture import run_blocks  # noqa: E402
+from layercut.calibrate.data import calibration_batch  # noqa: E402
+from layercut.compress.arch import arch_for  # noqa: E402
+from layercut.compress.depth.blocks import drop_blocks  # noqa: E402
+from layercut.compress.depth.cores import runs_of  # noqa: E402
+from layercut.compress.depth.fuse import CoeffFitter, apply_fuse, plan_groups  # noqa: E402
+from layercut.compress.depth.replace import SpanFitter, merge_maps, plan_spans  # noqa: E402
+from layercut.compress.depth.sublayers import drop_sublayers  # noqa: E402
+from layercut.compress.evaluate import count_params, evaluate  # noqa: E402
+from layercut.compress.models import load_model, resolve_model  # noqa: E402
+from layercut.compress.select import compute_scores, gate_norm_scores, select_blocks, select_sublayers  # noqa: E402
+from layercut.compress.select.cores import lowest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MERGE_ROW = "one-shot merge (LaCo rule, c=1, no threshold schedule), angular span"

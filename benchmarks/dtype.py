@@ -28,7 +28,7 @@ EVAL = ["--max-tokens", "4096", "--ctx", "512", "--json"]
 
 def layercut(*args: str) -> str:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    proc = subprocess.run([sys.executable, "-m", "compress.cli", "-q", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "layercut.cli", "-q", *args], capture_output=True, text=True,
                           env=env)
     if proc.returncode != 0:
         raise SystemExit(f"layercut {' '.join(args)} failed:\n{proc.stderr[-2000:]}")

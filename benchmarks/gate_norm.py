@@ -12,7 +12,7 @@ then times, cold (the files' pages dropped with posix_fadvise DONTNEED after fsy
 warm (page cache):
 
 * ``plain read``  — every byte of every shard, sequentially, 16 MiB reads;
-* ``gate-norm``   — :func:`compress.select.gate_norm.gate_norm_scores` on the directory
+* ``gate-norm``   — :func:`layercut.compress.select.gate_norm.gate_norm_scores` on the directory
   (reads only q and k, converts to fp32, d_h×d_h Grams, next layer read ahead);
 * ``qk read only`` / ``grams only`` — its two halves alone (I/O floor, compute floor).
 
@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from compress.select.cores import gate_norm_qk  # noqa: E402
-from compress.select.gate_norm import gate_norm_scores  # noqa: E402
+from layercut.compress.select.cores import gate_norm_qk  # noqa: E402
+from layercut.compress.select.gate_norm import gate_norm_scores  # noqa: E402
 
 
 def write_checkpoint(folder: Path, layers: int, hidden: int, heads: int, kv_heads: int, mlp: int) -> dict:

@@ -4,7 +4,7 @@ Run::
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python benchmarks/gram_precision.py   # table + results/gram_precision.json
 
-``calibrate.stats.GramStats`` sums XᵀX and XᵀY in float64; each micro-batch's product is
+``layercut.calibrate.stats.GramStats`` sums XᵀX and XᵀY in float64; each micro-batch's product is
 computed in ``GramStats.product_dtype``. The linear replacement (ReplaceMe-style lstsq map
 solved from those sums) is the stage most sensitive to their conditioning, so it is the
 test case: each span is replaced once with float64 products and once with float32 products
@@ -30,11 +30,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from calibrate.data import calibration_batch  # noqa: E402
-from calibrate.stats import GramStats  # noqa: E402
-from compress.depth.prune import prune_model  # noqa: E402
-from compress.evaluate import evaluate  # noqa: E402
-from compress.models import load_model  # noqa: E402
+from layercut.calibrate.data import calibration_batch  # noqa: E402
+from layercut.calibrate.stats import GramStats  # noqa: E402
+from layercut.compress.depth.prune import prune_model  # noqa: E402
+from layercut.compress.evaluate import evaluate  # noqa: E402
+from layercut.compress.models import load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32}

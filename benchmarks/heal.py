@@ -12,9 +12,9 @@ Run (CPU; hours on a loaded 2-core machine, see docs/results-heal.md)::
 Prints a table, writes ``benchmarks/results/heal.json`` and ``docs/results-heal.md`` (for
 ``--text bundled:brown-val``: ``heal-brown-val.json`` and ``docs/results-heal-brown-val.md``).
 
-Students: the angular span (Gromov et al.) of 8 blocks chosen with ``compress.depth.prune``
+Students: the angular span (Gromov et al.) of 8 blocks chosen with ``layercut.compress.depth.prune``
 on ``--calib-samples`` × ``--calib-seq-len`` calibration tokens, removed by plain drop and
-by lstsq linear replacement (ReplaceMe). Each is healed with ``heal.train.heal_model``
+by lstsq linear replacement (ReplaceMe). Each is healed with ``layercut.heal.train.heal_model``
 (LoRA through peft, token-level KD from the original on the fly); perplexity on ``--text``
 (default ``bundled:brown-test``, ctx 512, the first ``--max-tokens`` tokens) is measured before
 healing and at the listed steps of one run (constant LR after a 10-step warmup, so the
@@ -45,12 +45,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from calibrate import DEFAULT_CALIB_TEXT, DEFAULT_EVAL_TEXT  # noqa: E402
-from compress.depth.prune import prune  # noqa: E402
-from compress.evaluate import evaluate  # noqa: E402
-from compress.models import load_model  # noqa: E402
-from heal.config import HealConfig  # noqa: E402
-from heal.train import heal_model  # noqa: E402
+from layercut.calibrate import DEFAULT_CALIB_TEXT, DEFAULT_EVAL_TEXT  # noqa: E402
+from layercut.compress.depth.prune import prune  # noqa: E402
+from layercut.compress.evaluate import evaluate  # noqa: E402
+from layercut.compress.models import load_model  # noqa: E402
+from layercut.heal.config import HealConfig  # noqa: E402
+from layercut.heal.train import heal_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -336,7 +336,7 @@ NOTES = [
     "(OpenMP barriers stall when the other cores are busy); set `OMP_NUM_THREADS=1` when the machine is loaded.",
     "- **Quantized input.** Quantized linears (anything with `dequantize()`) are replaced by dense ones before "
     "LoRA; the adapter is always saved and the merged dense weights need a re-quantize.",
-    "- **Data-parallel.** `accelerate launch --multi_gpu --num_processes N -m compress.cli heal ...`; `--batch-size` is "
+    "- **Data-parallel.** `accelerate launch --multi_gpu --num_processes N -m layercut.cli heal ...`; `--batch-size` is "
     "per process. Tested on CPU as 2 gloo processes against 1 process at the same global batch "
     "(`tests/test_heal_ddp.py`).",
     "",

@@ -10,7 +10,7 @@ Models, all stored in bf16:
 - ``smollm2-135m``: the bundled model, converted from its GGUF to bf16;
 - ``llama3-1b``, ``llama3-3b``: Llama-3.2-1B / 3B shapes (128,256-token vocabulary, tied
   embeddings) with random weights, written one tensor at a time by
-  :class:`export.shards.ShardWriter` under ``$LAYERCUT_CACHE/bench-models``. Random
+  :class:`layercut.export.shards.ShardWriter` under ``$LAYERCUT_CACHE/bench-models``. Random
   weights are valid for memory and time, not for quality. They use SmolLM2's tokenizer
   (its ids are a subset of the vocabulary).
 
@@ -22,7 +22,7 @@ child's ``ru_maxrss`` (the whole process: Python, torch and transformers include
 Stages measured, each through its stage's ``run`` (what ``layercut <stage>`` calls);
 heal loads the whole model (it does not stream yet):
 - ``eval-streamed``: perplexity and exact KL to a reference (the same checkpoint), one
-  block in memory at a time (the default; :mod:`compress.stream_eval`);
+  block in memory at a time (the default; :mod:`layercut.compress.stream_eval`);
 - ``eval-in-memory``: ``--whole-model``, the whole model in float32 (SmolLM2 only);
 - ``score``: angular + block-influence scores, streamed;
 - ``prune-drop``: remove blocks 1 and 2, checkpoint to checkpoint tensor by tensor
@@ -52,7 +52,7 @@ import sys
 import time
 from pathlib import Path
 
-# the repo's packages before this folder, whose heal.py (a benchmark) would shadow the heal package
+# run from a checkout without install
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {
@@ -72,7 +72,7 @@ SHAPES["llama3-1b-2blocks"] = dict(SHAPES["llama3-1b"], num_hidden_layers=2)
 def model_dir(name: str) -> Path:
     import torch
 
-    from compress.models import cache_dir, load_tokenizer, resolve_model
+    from layercut.compress.models import cache_dir, load_tokenizer, resolve_model
 
     if name == "smollm2-135m":
         return resolve_model("bundled:smollm2-135m", convert_dtype=torch.bfloat16)
@@ -94,7 +94,7 @@ def write_random_llama(folder: Path, shape: dict, tokenizer) -> None:
     from accelerate import init_empty_weights
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from export.shards import ShardWriter
+    from layercut.export.shards import ShardWriter
 
     config = LlamaConfig(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
                          tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
@@ -125,8 +125,8 @@ def write_random_llama(folder: Path, shape: dict, tokenizer) -> None:
 def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -> dict:
     import torch
 
-    from compress.models import weight_bytes
-    from compress.stages.base import RunEnv
+    from layercut.compress.models import weight_bytes
+    from layercut.compress.stages.base import RunEnv
 
     torch.set_num_threads(1)
     path = model_dir(name)
@@ -134,8 +134,8 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
     if stage in ("eval-streamed", "eval-in-memory"):
-        from compress.stages.eval import EvalConfig
-        from compress.stages.eval import run as run_eval
+        from layercut.compress.stages.eval import EvalConfig
+        from layercut.compress.stages.eval import run as run_eval
 
         whole = stage == "eval-in-memory" or bool(os.environ.get("LAYERCUT_BENCH_WHOLE"))
         # timing: no reference (the whole-model path evaluates a reference twice: KL pass + its own figures)
@@ -144,8 +144,8 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
         res = run_eval(cfg, str(path), env=RunEnv(progress=False))["model"]
         out.update(ppl=res["ppl"], kl=res["kl"], tokens=res["tokens"])
     elif stage == "score":
-        from compress.stages.score import ScoreConfig
-        from compress.stages.score import run as run_score
+        from layercut.compress.stages.score import ScoreConfig
+        from layercut.compress.stages.score import run as run_score
 
         cfg = ScoreConfig(method="angular,block-influence", drop=2, samples=samples, seq_len=seq_len)
         run_score(cfg, str(path), env=RunEnv(progress=False))
@@ -153,8 +153,8 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
     elif stage in ("prune-drop", "prune-lstsq"):
         import tempfile
 
-        from compress.stages.prune import PruneConfig
-        from compress.stages.prune import run as run_prune
+        from layercut.compress.stages.prune import PruneConfig
+        from layercut.compress.stages.prune import run as run_prune
 
         lstsq = dict(replace="lstsq", samples=samples, seq_len=seq_len) if stage == "prune-lstsq" else {}
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
@@ -165,8 +165,8 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
     elif stage in ("quantize", "quantize-mixed"):
         import tempfile
 
-        from compress.stages.quantize import QuantizeConfig
-        from compress.stages.quantize import run as run_quantize
+        from layercut.compress.stages.quantize import QuantizeConfig
+        from layercut.compress.stages.quantize import run as run_quantize
 
         group = 64 if name.startswith("smollm2") else 128  # SmolLM2's 576 inputs are not a multiple of 128
         bits = dict(bits=4) if stage == "quantize" else dict(avg_bits=3.5, sensitivity_samples=2)
@@ -184,15 +184,15 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
 
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             if stage == "heal":
-                from compress.stages.heal import HealConfig
-                from compress.stages.heal import run as run_heal
+                from layercut.compress.stages.heal import HealConfig
+                from layercut.compress.stages.heal import run as run_heal
 
                 cfg = HealConfig(teacher=str(path), steps=2, samples=2, seq_len=64, batch_size=1, rank=4, data_offset=0)
                 run_heal(cfg, str(path), Path(tmp) / "out", env=RunEnv(progress=False))
                 out.update(tokens=2 * 64)
             else:
-                from compress.stages.export import ExportConfig
-                from compress.stages.export import run as run_export
+                from layercut.compress.stages.export import ExportConfig
+                from layercut.compress.stages.export import run as run_export
 
                 run_export(ExportConfig(), str(path), Path(tmp) / "out", env=RunEnv(progress=False))
     else:

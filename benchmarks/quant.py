@@ -18,7 +18,7 @@ Every quantizer gets the same calibration token batches (``bundled:brown-calib``
 ``calibration_batch(seed=s)``, ``--samples`` × ``--seq-len``); rows marked with seeds run
 once per ``--seeds`` value (default 0,1,2: three different calibration draws) and are
 reported as mean (min–max). Every checkpoint is loaded with
-``compress.quant.loader.load_quantized`` (GPTQModel's too) and evaluated the same way: the
+``layercut.compress.quant.loader.load_quantized`` (GPTQModel's too) and evaluated the same way: the
 first ``--max-tokens`` tokens of ``--text``, ctx 512, perplexity and KL(fp ‖ quantized)
 against the fp32 model's logits (computed once per text by the fp32 row).
 
@@ -76,7 +76,7 @@ os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 # this was measured faster than 2 (threads stall on each other when a core is taken).
 THREADS = os.environ.get("LAYERCUT_BENCH_THREADS", "1")
 
-from calibrate import DEFAULT_CALIB_TEXT, DEFAULT_EVAL_TEXT  # noqa: E402
+from layercut.calibrate import DEFAULT_CALIB_TEXT, DEFAULT_EVAL_TEXT  # noqa: E402
 
 MODEL = "bundled:smollm2-135m"
 GS = 64
@@ -196,7 +196,7 @@ def _ref_file(args, work: Path) -> Path:
 def _evaluate(model, tok, args, work: Path) -> dict:
     from safetensors.torch import load_file
 
-    from compress.evaluate import evaluate
+    from layercut.compress.evaluate import evaluate
 
     store = load_file(_ref_file(args, work))  # keys: the window's token ids as hex
     res = evaluate(model, tok, text=args.text, ctx=512, max_tokens=args.max_tokens,
@@ -205,8 +205,8 @@ def _evaluate(model, tok, args, work: Path) -> dict:
 
 
 def _load_for_eval(path: Path):
-    from compress.quant.loader import load_quantized
-    from compress.quant.qlinear import QuantLinear
+    from layercut.compress.quant.loader import load_quantized
+    from layercut.compress.quant.qlinear import QuantLinear
 
     model = load_quantized(path)
     for m in model.modules():
@@ -252,8 +252,8 @@ def _cpu_s() -> float:
 def child_fp(args, work: Path) -> dict:
     import torch
 
-    from compress.evaluate import evaluate
-    from compress.models import load_model, resolve_model, weight_bytes
+    from layercut.compress.evaluate import evaluate
+    from layercut.compress.models import load_model, resolve_model, weight_bytes
 
     model, tok = load_model(MODEL)
     store: dict[str, torch.Tensor] = {}
@@ -279,8 +279,8 @@ def child_fp(args, work: Path) -> dict:
 
 
 def child_ours(args, work: Path, name: str, spec: dict, seed: int) -> dict:
-    from compress.models import load_tokenizer
-    from compress.quant.run import quantize_checkpoint
+    from layercut.compress.models import load_tokenizer
+    from layercut.compress.quant.run import quantize_checkpoint
 
     out = work / f"{name}-seed{seed}"
     sens = spec.get("sensitivity") or _best_proxy(args)
@@ -330,8 +330,8 @@ def gptqmodel_setup(spec: dict, damp: float):
 def child_gptqmodel(args, work: Path, name: str, spec: dict, seed: int) -> dict:
     from gptqmodel import GPTQModel
 
-    from calibrate.data import calibration_batch
-    from compress.models import load_tokenizer, resolve_model
+    from layercut.calibrate.data import calibration_batch
+    from layercut.compress.models import load_tokenizer, resolve_model
 
     out = work / f"{name}-seed{seed}"
     t0 = time.perf_counter()
@@ -370,10 +370,10 @@ def child_gptqmodel(args, work: Path, name: str, spec: dict, seed: int) -> dict:
 
 
 def child_sensitivity(args, work: Path) -> dict:
-    from calibrate.data import CalibSet, calibration_batch
-    from compress.models import load_model
-    from compress.quant.sensitivity import allocation_units, measure_sensitivity, rank_correlation
-    from compress.quant.stage import QuantConfig
+    from layercut.calibrate.data import CalibSet, calibration_batch
+    from layercut.compress.models import load_model
+    from layercut.compress.quant.sensitivity import allocation_units, measure_sensitivity, rank_correlation
+    from layercut.compress.quant.stage import QuantConfig
 
     model, tok = load_model(MODEL)
     full = calibration_batch(tok, DEFAULT_CALIB_TEXT, samples=args.samples, seq_len=args.seq_len, seed=0)
@@ -636,7 +636,7 @@ NOTES = """## Notes
 - mixed bits — `GPTQModel.load(out, device="cpu", backend=BACKEND.TORCH, dtype=torch.float16)`
   (its torch kernel takes fp16/bf16 only). Stock transformers cannot load mixed bits: optimum
   ignores `dynamic` and builds every layer at the base width;
-- both — `compress.quant.loader.load_quantized(out)` (what `compress.models.load_model` and
+- both — `layercut.compress.quant.loader.load_quantized(out)` (what `layercut.compress.models.load_model` and
   `layercut eval` use); it also reads GPTQModel's own checkpoints (all rows above).
 
 `quantization_config.meta.quantizer` lists `gptqmodel:7.6.0` beside layercut: GPTQModel refuses

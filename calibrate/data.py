@@ -2,7 +2,7 @@
 
 Usage::
 
-    from calibrate.data import load_texts, calibration_batch
+    from layercut.calibrate.data import load_texts, calibration_batch
     docs = load_texts("bundled:brown-calib")          # list[str]
     calib = calibration_batch(tokenizer, "bundled:brown-calib", samples=128, seq_len=512, seed=0)
     calib.input_ids, calib.attention_mask             # [N, L] each
@@ -10,7 +10,7 @@ Usage::
            TextSource(source="hf:/data/chat@train[:500]", chat_template=True, weight=0.3)]
     calib = calibration_batch(tokenizer, mix, samples=128, seq_len=512, seed=0)   # ~90 + ~38 windows
 
-Sources (:mod:`calibrate.sources`): the bundled Brown corpus, split by file id
+Sources (:mod:`layercut.calibrate.sources`): the bundled Brown corpus, split by file id
 (``calibrate/data/brown.json`` lists every split's file ids): ``bundled:brown-calib`` (400
 files, calibration and healing), ``bundled:brown-val`` (50 held-out files, for choosing
 defaults), ``bundled:brown-test`` (the other 50 held-out files, for reporting results) and
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from calibrate.sources import BUNDLED_TEXTS, DATA_DIR, TextSource, documents
-from compress.errors import LayercutError
+from layercut.calibrate.sources import BUNDLED_TEXTS, DATA_DIR, TextSource, documents
+from layercut.compress.errors import LayercutError
 
 __all__ = ["BUNDLED_TEXTS", "DATA_DIR", "EVAL_TEXTS", "CalibSet", "TextSource", "as_sources", "allocate",
            "calibration_batch", "load_texts", "token_stream"]

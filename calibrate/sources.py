@@ -2,7 +2,7 @@
 
 Usage::
 
-    from calibrate.sources import TextSource, documents
+    from layercut.calibrate.sources import TextSource, documents
     src = TextSource(source="hf:/data/chat@train[:500]", messages_field="messages", chat_template=True)
     for doc in documents(src, tokenizer):     # each conversation rendered by the tokenizer's template
         ...
@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from compress.errors import LayercutError
+from layercut.compress.errors import LayercutError
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 BUNDLED_TEXTS = {name: f"{name}.txt.gz"
@@ -69,7 +69,7 @@ class TextSource(BaseModel):
         if isinstance(data, str):  # a bare string in a list of sources
             return {"source": data}
         if isinstance(data, dict):
-            from compress.stages.base import unknown_key_message
+            from layercut.compress.stages.base import unknown_key_message
 
             unknown = [k for k in data if k not in cls.model_fields]
             if unknown:

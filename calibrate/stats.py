@@ -11,7 +11,7 @@ Usage::
     gram.xtx, gram.xty, gram.count
 
 Everything masks padding tokens and accumulates in float64 where a Gram matrix is
-solved later (DESIGN.md, "One capture driver").
+solved later (see calibrate/capture.py: one capture driver for every stage).
 """
 
 from __future__ import annotations

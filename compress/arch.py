@@ -2,7 +2,7 @@
 
 Usage::
 
-    from compress.arch import arch_for
+    from layercut.compress.arch import arch_for
     spec = arch_for(model)            # by config.model_type, generic fallback
     layers = spec.layers_of(model)    # nn.ModuleList of decoder blocks
     spec.linears(block)               # [(name, module), ...] in forward order
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from compress.errors import LayercutError
+from layercut.compress.errors import LayercutError
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ Usage::
     layercut -v run recipes/smollm2-demo.yaml -o runs/demo
 
 The stage commands are generated from the stage configs (``compress/commands/stage.py``);
-``run`` and ``push`` are in ``compress/commands/``. A :class:`~compress.errors.LayercutError`
+``run`` and ``push`` are in ``compress/commands/``. A :class:`~layercut.compress.errors.LayercutError`
 or a bad flag becomes one ``error: ...`` line on stderr and a non-zero exit code (2 for
 bad input); ``--json`` prints one JSON object as the last line of stdout. Torch is
 imported only when a command runs, so ``--help`` is fast.
@@ -22,7 +22,7 @@ import os
 import re
 import sys
 
-from compress.errors import LayercutError
+from layercut.compress.errors import LayercutError
 
 # in the order `layercut --help` lists them
 COMMANDS = ("run", "score", "prune", "heal", "quantize", "eval", "export", "push")
@@ -36,7 +36,7 @@ class Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line as one ``error:`` line (exit 2), with a suggestion."""
 
     def error(self, message: str):  # noqa: D401 - argparse's hook
-        from compress.stages.base import closest
+        from layercut.compress.stages.base import closest
 
         bad = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
         if bad:
@@ -59,7 +59,7 @@ def version() -> str:
 
 
 def build_parser() -> Parser:
-    from compress.commands import push, run, stage
+    from layercut.compress.commands import push, run, stage
 
     parser = Parser(prog="layercut", description="Post-training compression for causal language models.",
                     epilog="examples:\n  layercut run recipes/smollm2-demo.yaml -o runs/demo\n"
@@ -82,7 +82,7 @@ def build_parser() -> Parser:
 
 def parse(parser: Parser, argv: list[str] | None) -> argparse.Namespace:
     """Parse; an unknown flag is one error line naming the closest flag of that command."""
-    from compress.stages.base import closest
+    from layercut.compress.stages.base import closest
 
     args, extra = parser.parse_known_args(argv)
     if extra:

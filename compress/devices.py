@@ -2,7 +2,7 @@
 
 Usage::
 
-    from compress.devices import on_device, compute_device, current_device
+    from layercut.compress.devices import on_device, compute_device, current_device
     with compute_device("auto"):            # cuda when available, else cpu
         run_blocks(model, calib, callbacks)  # each block is moved there for its turn
 
@@ -10,7 +10,7 @@ Usage::
     def run(config, source, output=None, env=None): ...
 
 The model itself stays where it was loaded (the CPU, or on disk for a streamed model): the
-capture driver (:func:`calibrate.capture.run_blocks`) moves each block and its activations to
+capture driver (:func:`layercut.calibrate.capture.run_blocks`) moves each block and its activations to
 the compute device for the block's turn and back, so GPU memory holds one block at a time.
 ``auto`` is cuda when ``torch.cuda.is_available()``, else cpu; asking for ``cuda`` on a
 machine without one is one clear error, before any work.
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from compress.errors import LayercutError
+from layercut.compress.errors import LayercutError
 
 if TYPE_CHECKING:
     import torch

@@ -1,4 +1,4 @@
-"""Errors that layercut reports to users as one clear line (see compress.cli)."""
+"""Errors that layercut reports to users as one clear line (see layercut.compress.cli)."""
 
 from __future__ import annotations
 

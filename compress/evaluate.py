@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from calibrate import DEFAULT_EVAL_TEXT
-from calibrate.data import load_texts
-from calibrate.sources import TextSource
-from compress.errors import LayercutError
-from compress.models import load_model, resolve_model, weight_bytes
+from layercut.calibrate import DEFAULT_EVAL_TEXT
+from layercut.calibrate.data import load_texts
+from layercut.calibrate.sources import TextSource
+from layercut.compress.errors import LayercutError
+from layercut.compress.models import load_model, resolve_model, weight_bytes
 
 
 @dataclass
@@ -58,7 +58,7 @@ def text_name(text: str | TextSource) -> str:
 
 def eval_tokens(tokenizer, text: str | TextSource, max_tokens: int) -> torch.Tensor:
     """The first ``max_tokens`` tokens of a text source (documents joined by blank lines); a
-    :class:`~calibrate.sources.TextSource` brings its field / chat-template options."""
+    :class:`~layercut.calibrate.sources.TextSource` brings its field / chat-template options."""
     pieces: list[int] = []
     for doc in load_texts(text, tokenizer):
         pieces.extend(tokenizer(doc + "\n\n", add_special_tokens=False)["input_ids"])

@@ -4,12 +4,12 @@ Usage::
 
     layercut eval OUT --reference bundled:smollm2-135m --max-ppl-increase 5% --max-kl 0.1 --json
 
-    from compress.gates import check_gates, enforce_gates
+    from layercut.compress.gates import check_gates, enforce_gates
     gates = check_gates(result.to_dict(), max_ppl_increase=0.05, max_kl=0.1)
     payload = enforce_gates(result.to_dict(), gates)   # raises GateFailed naming the failed gates
 
 Gate values: ``ppl_increase = ppl / reference_ppl − 1`` (relative, 0.05 = 5%) and
-``kl`` = mean KL(p_reference ‖ p_model) per scored token (see :mod:`compress.evaluate`).
+``kl`` = mean KL(p_reference ‖ p_model) per scored token (see :mod:`layercut.compress.evaluate`).
 A NaN or missing value fails its gate.
 """
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from compress.errors import GateFailed, LayercutError
-from compress.stages.base import parse_fraction
+from layercut.compress.errors import GateFailed, LayercutError
+from layercut.compress.stages.base import parse_fraction
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Usage::
 
-    from compress.gguf_convert import convert_gguf
+    from layercut.compress.gguf_convert import convert_gguf
     convert_gguf("model.Q4_1.gguf", "out/dense", dtype=torch.bfloat16)
 
 The GGUF is memory-mapped by the ``gguf`` package's reader; each tensor is dequantized on
@@ -16,7 +16,7 @@ transformers' GGUF tables (``transformers.modeling_gguf_pytorch_utils``), so the
 the same tensors transformers would build: bit for bit at ``dtype=float32``
 (``tests/test_models.py`` checks it on the bundled model). Dequantized k-quant and Q4_1
 values (``d * q + m`` with fp16 ``d`` and ``m``) are exact in float32 but not in bfloat16,
-which is why ``auto`` converts to float32 (see :func:`compress.models.resolve_model`).
+which is why ``auto`` converts to float32 (see :func:`layercut.compress.models.resolve_model`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from compress.errors import LayercutError
-from export.shards import ShardWriter
+from layercut.compress.errors import LayercutError
+from layercut.export.shards import ShardWriter
 
 
 def gguf_architecture(path: str | os.PathLike) -> str:

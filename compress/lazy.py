@@ -2,13 +2,13 @@
 
 Usage::
 
-    from compress.lazy import LazyModel
+    from layercut.compress.lazy import LazyModel
     lazy = LazyModel("ckpt-dir")              # skeleton only: parameters on the meta device
     lazy.materialize("model.embed_tokens")    # one submodule's tensors, read from the shards
     block = lazy.block(3)                     # decoder block 3, materialized in lazy.compute_dtype
     lazy.release(lazy.block_path(3))          # back to meta: its memory is freed
 
-The capture driver (:func:`calibrate.capture.run_blocks`) recognises such a model and
+The capture driver (:func:`layercut.calibrate.capture.run_blocks`) recognises such a model and
 materializes each decoder block for its turn, then releases it, so a data-driven stage
 holds one block at a time (plus the embeddings for input capture, and the final norm and
 head where a loss is computed).
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compress.arch import arch_for, get_submodule
-from compress.errors import LayercutError
+from layercut.compress.arch import arch_for, get_submodule
+from layercut.compress.errors import LayercutError
 
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -54,7 +54,7 @@ class TensorIndex:
     """Which shard holds each tensor of a safetensors checkpoint; reads one tensor at a time."""
 
     def __init__(self, folder: str | os.PathLike) -> None:
-        from compress.models import _check_weights
+        from layercut.compress.models import _check_weights
 
         self.folder = Path(folder)
         _check_weights(self.folder)  # missing shards, unknown tensors, truncation: one clear error

@@ -5,7 +5,7 @@ Usage::
     layercut eval bundled:smollm2-135m --tasks brown_cloze --limit 200
     layercut eval OUT --tasks my_task --include-path my_tasks/ --num-fewshot 5
 
-    from compress.lmeval import load_tasks, run_tasks
+    from layercut.compress.lmeval import load_tasks, run_tasks
     tasks = load_tasks(["brown_cloze"])                   # fails fast on a bad name, folder or dataset
     report = run_tasks(model, tokenizer, tasks, limit=50)
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compress.errors import LayercutError
+from layercut.compress.errors import LayercutError
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks"
 INSTALL_HINT = "task evals need lm-eval: pip install 'layercut[eval]'"

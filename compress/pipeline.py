@@ -5,7 +5,7 @@ Usage::
     layercut run recipes/smollm2-demo.yaml -o runs/demo            # fresh run
     layercut run recipes/smollm2-demo.yaml -o runs/demo --resume   # continue after a crash
 
-    from compress.pipeline import run_recipe
+    from layercut.compress.pipeline import run_recipe
     report = run_recipe(Recipe.from_yaml("recipes/smollm2-demo.yaml"), "runs/demo")
 
 Layout of ``OUT``::
@@ -40,13 +40,13 @@ from pathlib import Path
 
 import torch
 
-from compress.errors import GateFailed, LayercutError
-from compress.recipe import Recipe
-from compress.resources import PeakRSS
-from compress.stages import stage_module
-from compress.stages.base import RunEnv
-from export.checkpoint import atomic_dir, check_output_dir
-from export.export import probe_writable
+from layercut.compress.errors import GateFailed, LayercutError
+from layercut.compress.recipe import Recipe
+from layercut.compress.resources import PeakRSS
+from layercut.compress.stages import stage_module
+from layercut.compress.stages.base import RunEnv
+from layercut.export.checkpoint import atomic_dir, check_output_dir
+from layercut.export.export import probe_writable
 
 log = logging.getLogger("layercut.run")
 KILL_ENV = "LAYERCUT_KILL_AT"  # test hook: SIGKILL this process at a named point (see _hook)
@@ -150,7 +150,7 @@ def run_recipe(recipe: Recipe, out: str | os.PathLike, resume: bool = False, pro
 
     Raises :class:`GateFailed` (after writing everything) when an eval stage's gate fails.
     """
-    from compress.models import resolve_model
+    from layercut.compress.models import resolve_model
 
     out = Path(out).expanduser()
     if out.exists() and not resume:
@@ -161,7 +161,7 @@ def run_recipe(recipe: Recipe, out: str | os.PathLike, resume: bool = False, pro
     elif not out.is_dir():
         raise LayercutError(f"output {out} exists and is not a directory")
     source = resolve_model(recipe.model)  # a bad model spec fails before OUT is created
-    from compress.devices import resolve_device
+    from layercut.compress.devices import resolve_device
 
     for cfg in recipe.stages:  # --device cuda without CUDA, too
         if getattr(cfg, "device", None) is not None:
@@ -344,7 +344,7 @@ def _finalize_export(recipe: Recipe, out: Path, source: Path, report: dict) -> N
     export = next((r for r in report["stages"] if r["stage"] == "export"), None)
     if export is None:
         return
-    from export.card import write_card
+    from layercut.export.card import write_card
 
     folder = out / export["checkpoint"]
     cfg = recipe.stages[export["index"] - 1]

@@ -4,7 +4,7 @@ Usage::
 
     layercut run recipes/smollm2-demo.yaml -o runs/demo
 
-    >>> from compress.recipe import Recipe, PruneConfig, EvalConfig
+    >>> from layercut.compress.recipe import Recipe, PruneConfig, EvalConfig
     >>> recipe = Recipe(model="bundled:smollm2-135m",
     ...                 stages=[PruneConfig(drop="25%", select="angular"), EvalConfig(max_tokens=1024)])
     >>> recipe.to_dict()["stages"][1]                            # every default filled in
@@ -15,7 +15,7 @@ Usage::
 
 A recipe is YAML with a ``version``, a ``model`` and an ordered list of ``stages``; each
 stage is a one-key mapping ``{name: {options}}`` whose options are the fields of the
-stage's config class (:mod:`compress.stages`), the same as its CLI flags
+stage's config class (:mod:`layercut.compress.stages`), the same as its CLI flags
 (``--group-size`` becomes ``group_size``). Validation is strict (pydantic,
 ``extra="forbid"``, no type coercion): an unknown key names the closest valid key and
 the keys allowed there, a wrong type names the field and the expected type, and a stage
@@ -33,15 +33,15 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from compress.errors import LayercutError
-from compress.stages import config_types
-from compress.stages.base import StageConfig, unknown_key_message
-from compress.stages.eval import EvalConfig
-from compress.stages.export import ExportConfig
-from compress.stages.heal import HealConfig
-from compress.stages.prune import PruneConfig
-from compress.stages.quantize import QuantizeConfig
-from compress.stages.score import ScoreConfig
+from layercut.compress.errors import LayercutError
+from layercut.compress.stages import config_types
+from layercut.compress.stages.base import StageConfig, unknown_key_message
+from layercut.compress.stages.eval import EvalConfig
+from layercut.compress.stages.export import ExportConfig
+from layercut.compress.stages.heal import HealConfig
+from layercut.compress.stages.prune import PruneConfig
+from layercut.compress.stages.quantize import QuantizeConfig
+from layercut.compress.stages.score import ScoreConfig
 
 RECIPE_VERSION = 1
 STAGE_TYPES = config_types()
@@ -160,7 +160,7 @@ class Recipe(StageConfig):
 
 
 def _unknown_stage(name: Any) -> str:
-    from compress.stages.base import closest
+    from layercut.compress.stages.base import closest
 
     near = closest(str(name), list(STAGE_TYPES))
     return f"unknown stage '{name}'" + (f", did you mean '{near}'?" if near else "") + \

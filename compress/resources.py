@@ -2,7 +2,7 @@
 
 Usage::
 
-    from compress.resources import PeakRSS
+    from layercut.compress.resources import PeakRSS
     with PeakRSS() as rss:
         work()
     rss.peak_mb, rss.method      # e.g. 812.4, "vmhwm"

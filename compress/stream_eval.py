@@ -2,13 +2,13 @@
 
 Usage::
 
-    from compress.stream_eval import evaluate_streamed
+    from layercut.compress.stream_eval import evaluate_streamed
     result = evaluate_streamed("ckpt-dir", reference="bundled:smollm2-135m", max_tokens=16384)
     result.ppl, result.kl
 
-Same protocol and windows as :func:`compress.evaluate.evaluate` (README, "Evaluation
+Same protocol and windows as :func:`layercut.compress.evaluate.evaluate` (README, "Evaluation
 protocol"), computed differently: the evaluation windows are the driver's micro-batches,
-each block is read from the checkpoint for its turn (:class:`compress.lazy.LazyModel`), and
+each block is read from the checkpoint for its turn (:class:`layercut.compress.lazy.LazyModel`), and
 the final norm and head run on the raw last-block output window by window.
 
 KL without caching distributions: 16k tokens x 128k vocabulary of reference log-probs would
@@ -31,13 +31,13 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from calibrate import DEFAULT_EVAL_TEXT
-from calibrate.capture import run_blocks
-from calibrate.sources import TextSource
-from compress.errors import LayercutError
-from compress.evaluate import EvalResult, _same_length, eval_tokens, make_windows, text_name
-from compress.lazy import LazyModel
-from compress.models import load_tokenizer, resolve_model, weight_bytes
+from layercut.calibrate import DEFAULT_EVAL_TEXT
+from layercut.calibrate.capture import run_blocks
+from layercut.calibrate.sources import TextSource
+from layercut.compress.errors import LayercutError
+from layercut.compress.evaluate import EvalResult, _same_length, eval_tokens, make_windows, text_name
+from layercut.compress.lazy import LazyModel
+from layercut.compress.models import load_tokenizer, resolve_model, weight_bytes
 
 VOCAB_SLICE = 16384  # rows of a low-precision head upcast to float32 at a time
 POSITION_SLICE = 128  # positions whose log-probs are alive at once

@@ -2,16 +2,16 @@
 
 Usage::
 
-    from export.card import write_card, build_card
+    from layercut.export.card import write_card, build_card
     write_card("runs/demo/04-export/model", report, source_dir, run_dir="runs/demo")
     card = build_card(card_facts(report, source_dir, recipe_text), ref="org/name")   # a ModelCard
 
 A ``huggingface_hub.ModelCard``: metadata through ``ModelCardData`` (``base_model`` and its
-``base_model_relation`` where the source is recorded, see :mod:`export.card_meta`;
+``base_model_relation`` where the source is recorded, see :mod:`layercut.export.card_meta`;
 ``library_name``, ``pipeline_tag``, ``tags``, ``datasets``, ``license``, and ``model-index``
 from ``EvalResult`` s); then what was removed or replaced, bits per layer, the data each stage
 read, the measured before/after table, task results, plots, the recipe and a loading snippet
-for what the folder holds (:mod:`export.card_usage`). Every number comes from the stage
+for what the folder holds (:mod:`layercut.export.card_usage`). Every number comes from the stage
 reports; the speed row is the only line that varies between two runs of the same recipe.
 """
 
@@ -23,10 +23,10 @@ from pathlib import Path
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
-from export.card_body import bits_table, data_table, recipe_block, stage_lines
-from export.card_meta import base_model_of, data_sources, hub_datasets, relation, source_license
-from export.card_results import eval_results, quality_table, tasks_table
-from export.card_usage import bit_values, folder_kind, report_kind, usage_block
+from layercut.export.card_body import bits_table, data_table, recipe_block, stage_lines
+from layercut.export.card_meta import base_model_of, data_sources, hub_datasets, relation, source_license
+from layercut.export.card_results import eval_results, quality_table, tasks_table
+from layercut.export.card_usage import bit_values, folder_kind, report_kind, usage_block
 
 LIBRARY = "transformers"
 ORDER = ["base_model", "base_model_relation", "license", "library_name", "pipeline_tag", "tags", "datasets"]

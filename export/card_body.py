@@ -2,7 +2,7 @@
 
 Usage::
 
-    from export.card_body import stage_lines, bits_table, data_table, recipe_block
+    from layercut.export.card_body import stage_lines, bits_table, data_table, recipe_block
     lines = stage_lines(report["stages"])           # "- **prune**: ..." per stage
 
 Every number is read from a stage report; nothing here measures anything.
@@ -10,8 +10,8 @@ Every number is read from a stage report; nothing here measures anything.
 
 from __future__ import annotations
 
-from export.card_meta import hub_dataset_id, parse_hf
-from export.card_results import bundled_text_name
+from layercut.export.card_meta import hub_dataset_id, parse_hf
+from layercut.export.card_results import bundled_text_name
 
 USE = {"score": "calibration (layer scores)", "prune": "calibration (layer selection and fit)",
        "heal": "healing (distillation training)", "quantize": "calibration (GPTQ)", "eval": "evaluation"}

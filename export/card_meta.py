@@ -2,7 +2,7 @@
 
 Usage::
 
-    from export.card_meta import base_model_of, relation, data_sources, hub_datasets, eval_results
+    from layercut.export.card_meta import base_model_of, relation, data_sources, hub_datasets, eval_results
     base = base_model_of("bundled:smollm2-135m", source_dir)     # {"id": ..., "license": ..., ...} or None
 
 - ``base_model``: the converted bundled model's ``layercut_source.json``; a Hub id source
@@ -22,7 +22,7 @@ import os
 import re
 from pathlib import Path
 
-from compress.models import HUB_ID, source_info
+from layercut.compress.models import HUB_ID, source_info
 
 DATA_KEYS = ("calib", "calibration", "data", "text")  # where stage configs and reports name text sources
 TRAIN_STAGES = ("score", "prune", "heal", "quantize")

@@ -2,7 +2,7 @@
 
 Usage::
 
-    from export.card_results import eval_results, quality_table, tasks_table
+    from layercut.export.card_results import eval_results, quality_table, tasks_table
     results, left_out = eval_results(eval_report)      # list[EvalResult], tasks not in model-index
 
 From the eval stage's report: perplexity and KL on its text (``report["model"]``), and
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult
 
-from export.card_meta import hub_dataset_id, parse_hf
+from layercut.export.card_meta import hub_dataset_id, parse_hf
 
 TASK = "text-generation"
 
@@ -40,7 +40,7 @@ def describe_text(source: str) -> dict:
 
 def bundled_text_name(source: str) -> str:
     """A bundled Brown split, described from ``calibrate/data/brown.json``."""
-    from calibrate.data import DATA_DIR
+    from layercut.calibrate.data import DATA_DIR
 
     split = source.removeprefix("bundled:").removeprefix("brown-")
     try:

@@ -2,7 +2,7 @@
 
 Usage::
 
-    from export.card_usage import folder_kind, usage_block, set_usage
+    from layercut.export.card_usage import folder_kind, usage_block, set_usage
     block = usage_block(folder_kind("release/"), "/abs/path/release")   # before a push: the folder
     text = set_usage(readme_text, folder_kind("release/"), "org/name", revision="v1")  # after one
 

@@ -2,7 +2,7 @@
 
 Usage::
 
-    from export.checkpoint import atomic_dir, save_checkpoint
+    from layercut.export.checkpoint import atomic_dir, save_checkpoint
     save_checkpoint(model, tokenizer, "out/pruned")        # sharded safetensors + index
 
     with atomic_dir("out/thing") as tmp:                    # anything else, same guarantee
@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from compress.errors import LayercutError
+from layercut.compress.errors import LayercutError
 
 
 def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:

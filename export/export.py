@@ -5,7 +5,7 @@ Usage::
     layercut export runs/demo -o smollm2-demo-release                 # a run dir or a checkpoint dir
     layercut export runs/demo/04-quantize/model -o dense --dequantize  # dense weights from GPTQ
 
-    from export.export import export_checkpoint
+    from layercut.export.export import export_checkpoint
     export_checkpoint("runs/demo/04-quantize/model", "release", save_dtype="fp16")
 
 Dense inputs are loaded (in ``load_dtype``) and re-saved with ``save_pretrained``
@@ -13,7 +13,7 @@ Dense inputs are loaded (in ``load_dtype``) and re-saved with ``save_pretrained`
 quantize stage wrote, or dequantized into a dense model with ``dequantize=True``. Either
 way the weights end up as ``model-XXXXX-of-YYYYY.safetensors`` with a
 ``model.safetensors.index.json`` (also for a single shard), each file's metadata
-``{"format": "pt"}``. The result is written atomically (:func:`export.checkpoint.atomic_dir`).
+``{"format": "pt"}``. The result is written atomically (:func:`layercut.export.checkpoint.atomic_dir`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compress.errors import LayercutError
-from compress.stages.base import check_size, torch_dtype
-from export.checkpoint import atomic_dir, check_output_dir
+from layercut.compress.errors import LayercutError
+from layercut.compress.stages.base import check_size, torch_dtype
+from layercut.export.checkpoint import atomic_dir, check_output_dir
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INDEX = "model.safetensors.index.json"
@@ -108,7 +108,7 @@ def export_checkpoint(
 
 
 def _check_inputs(src: str | os.PathLike, dequantize: bool, dtype: str | None, max_shard_size: str) -> Path:
-    from compress.models import resolve_model
+    from layercut.compress.models import resolve_model
 
     path = resolve_model(src)
     quantized = is_quantized(path)
@@ -147,23 +147,23 @@ def write_export_into(
     quantized = is_quantized(src)
     lazy = None
     if stream and not quantized and not trust_remote_code:
-        from compress.stages.base import stream_blocker
+        from layercut.compress.stages.base import stream_blocker
 
         if stream_blocker(src) is None:
-            from compress.lazy import LazyModel
+            from layercut.compress.lazy import LazyModel
 
             dtype = DTYPES[save_dtype] if save_dtype is not None else torch_dtype(load_dtype, src)
             lazy = LazyModel(src, storage_dtype=dtype)
     if quantized and not dequantize:
         _copy_checkpoint(src, folder)
     elif lazy is not None:
-        from compress.depth.stream_drop import write_without_blocks
+        from layercut.compress.depth.stream_drop import write_without_blocks
 
         write_without_blocks(lazy, folder, [], max_shard_size=max_shard_size)  # copies the side files too
         for name in _OWN_FILES:  # the run's own card, report and recipe come from extra_files, never the input
             (folder / name).unlink(missing_ok=True)
     else:
-        from compress.models import load_model
+        from layercut.compress.models import load_model
 
         model, tokenizer = load_model(src, dtype=torch_dtype(load_dtype, src), trust_remote_code=trust_remote_code)
         if dequantize:
@@ -208,8 +208,8 @@ def dequantize_model(model: nn.Module) -> int:
     GPT-2 style models get ``Conv1D`` back (weight stored transposed, [in, out]). Drops
     ``config.quantization_config``. Returns the number of layers replaced.
     """
-    from compress.arch import arch_for
-    from compress.quant.qlinear import QuantLinear
+    from layercut.compress.arch import arch_for
+    from layercut.compress.quant.qlinear import QuantLinear
 
     conv1d = arch_for(model).conv1d
     count = 0

@@ -5,7 +5,7 @@ Usage::
     layercut push runs/demo --repo-id my-org/smollm2-demo --dry-run     # list exactly what would go up
     layercut push runs/demo --repo-id my-org/smollm2-demo --private --revision v1
 
-    from export.push import push
+    from layercut.export.push import push
     push("runs/demo/05-export/model", "my-org/smollm2-demo", dry_run=True)
 
 Uses ``huggingface_hub`` only (``create_repo``, ``create_branch`` for a non-default
@@ -25,7 +25,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from compress.errors import LayercutError
+from layercut.compress.errors import LayercutError
 
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
 REPO_ID = re.compile(rf"^{_NAME}/{_NAME}$")
@@ -102,7 +102,7 @@ def upload_list(folder: Path) -> list[str]:
 def pushed_card(folder: Path, repo_id: str, revision: str | None = None) -> bytes | None:
     """README.md as uploaded, if it differs from the local one: a layercut card (one marked usage
     block) gets the snippet for the folder's checkpoint kind, loading ``repo_id``; else None."""
-    from export.card_usage import folder_kind, set_usage
+    from layercut.export.card_usage import folder_kind, set_usage
 
     readme = folder / "README.md"
     if not readme.is_file():

@@ -2,7 +2,7 @@
 
 Usage::
 
-    from export.shards import ShardWriter
+    from layercut.export.shards import ShardWriter
     with ShardWriter(folder, max_shard_bytes=2 * 2**30) as writer:
         for name, tensor in tensors():          # one tensor (or one block) at a time
             writer.add(name, tensor)
@@ -14,7 +14,7 @@ closed as soon as adding the next tensor would pass ``max_shard_bytes``. Shards 
 provisional names and renamed to the ``-0000i-of-0000n`` form when the writer closes,
 because the count is known only then. ``folder`` is expected to be a temporary directory
 that the caller moves into place when everything is written (see
-:func:`export.checkpoint.atomic_dir`).
+:func:`layercut.export.checkpoint.atomic_dir`).
 """
 
 from __future__ import annotations

@@ -4,10 +4,29 @@ Usage::
 
     layercut heal pruned/ --teacher bundled:smollm2-135m -o healed/ --steps 200
 
-    from heal.train import heal_model          # heal_model(student, teacher, tokenizer, HealConfig(...))
-    from heal.config import HealConfig
+    from layercut.heal.train import heal_model          # heal_model(student, teacher, tokenizer, HealConfig(...))
+    from layercut.heal.config import HealConfig
 
 Modules: ``losses`` (KL / top-k KL / LM tensor cores), ``lora`` (peft targets from the arch
 table, dequantized inputs, compatibility checks), ``data`` (windows, top-k teacher cache),
 ``state`` (checkpoint / resume without pickles), ``train`` (the loop and the merge).
 """
+
+import sys
+import types
+
+if __name__ != "layercut.heal":  # a checkout on sys.path must not load a second copy
+    raise ImportError("import layercut.heal, not heal: layercut installs one top-level package "
+                      "(pip install -e . from the checkout)")
+
+
+class _CallableModule(types.ModuleType):
+    """``layercut.heal(...)`` is the Python API's :func:`layercut.api.heal`; see ``layercut/__init__.py``."""
+
+    def __call__(self, *args, **kwargs):
+        from layercut.api import heal
+
+        return heal(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -2,12 +2,12 @@
 
 Usage::
 
-    from heal.config import HealConfig
+    from layercut.heal.config import HealConfig
     cfg = HealConfig(steps=300, rank=16, loss="kd", lr=5e-4)    # typo'd keys are errors
     cfg = HealConfig.parse({"steps": 300})                      # LayercutError on bad input
 
-``HealConfig`` is the heal stage's one config (:mod:`compress.stages.heal`), shared by
-the CLI, recipes and :func:`heal.train.heal_model`.
+``HealConfig`` is the heal stage's one config (:mod:`layercut.compress.stages.heal`), shared by
+the CLI, recipes and :func:`layercut.heal.train.heal_model`.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from compress.stages.heal import BUNDLED_HEAL_OFFSET, DEFAULT_DATA, HealConfig
+from layercut.compress.stages.heal import BUNDLED_HEAL_OFFSET, DEFAULT_DATA, HealConfig
 
 __all__ = ["HealConfig", "HealResult", "BUNDLED_HEAL_OFFSET", "DEFAULT_DATA"]
 
 
 @dataclass
 class HealResult:
-    """What :func:`heal.train.heal_model` did. ``model`` is the merged (dense) student."""
+    """What :func:`layercut.heal.train.heal_model` did. ``model`` is the merged (dense) student."""
 
     steps: int
     tokens: int  # real (non-pad) tokens trained on, this process

@@ -2,12 +2,12 @@
 
 Usage::
 
-    from heal.data import heal_data, build_topk_cache, HealDataset
+    from layercut.heal.data import heal_data, build_topk_cache, HealDataset
     data = heal_data(tokenizer, cfg)                          # CalibSet [N, seq_len]
     cache = build_topk_cache(teacher, data, k=64)             # teacher runs once, then can go
     ds = HealDataset(data, total=cfg.steps * cfg.batch, seed=cfg.seed, cache=cache)
 
-Windows come from :func:`calibrate.data.calibration_batch` (one source, or several mixed
+Windows come from :func:`layercut.calibrate.data.calibration_batch` (one source, or several mixed
 by weight) with the run's seed and an offset per source (``HealConfig.source_offsets``:
 300,000 tokens into the bundled Brown calibration stream, past everything a default
 calibration draw reads; 0 elsewhere), with BOS prepended like the eval protocol does.
@@ -23,16 +23,16 @@ import torch
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from calibrate.data import EVAL_TEXTS, CalibSet, calibration_batch
-from compress.errors import LayercutError
-from heal.config import HealConfig
-from heal.losses import teacher_topk
+from layercut.calibrate.data import EVAL_TEXTS, CalibSet, calibration_batch
+from layercut.compress.errors import LayercutError
+from layercut.heal.config import HealConfig
+from layercut.heal.losses import teacher_topk
 
 
 def heal_data(tokenizer, cfg: HealConfig) -> CalibSet:
     """``cfg.num_samples`` windows of ``cfg.seq_len`` tokens ([BOS] + text when there is a BOS).
 
-    ``cfg.data`` may mix several sources by weight (:func:`calibrate.data.calibration_batch`);
+    ``cfg.data`` may mix several sources by weight (:func:`layercut.calibrate.data.calibration_batch`);
     each starts at its own offset (:meth:`HealConfig.source_offsets`).
     """
     sources = cfg.text_sources()
@@ -92,7 +92,7 @@ class TopKCache:
 @torch.no_grad()
 def build_topk_cache(teacher: torch.nn.Module, data: CalibSet, k: int, temperature: float = 1.0,
                      batch_size: int = 4, progress: bool = True) -> TopKCache:
-    """Run the teacher once over ``data`` and keep its top-k log-probs (see heal.losses)."""
+    """Run the teacher once over ``data`` and keep its top-k log-probs (see layercut.heal.losses)."""
     teacher.eval()
     device = next(teacher.parameters()).device
     logps, idxs, tails = [], [], []

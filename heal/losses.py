@@ -2,7 +2,7 @@
 
 Usage::
 
-    from heal.losses import kd_loss, topk_kd_loss, lm_loss, teacher_topk
+    from layercut.heal.losses import kd_loss, topk_kd_loss, lm_loss, teacher_topk
     loss = kd_loss(student_logits, teacher_logits, mask, temperature=1.0)      # [B, L, V] each
     cache = teacher_topk(teacher_logits, k=64, temperature=1.0)                 # store once
     loss = topk_kd_loss(student_logits, cache.logp, cache.idx, cache.tail_logp, mask)

@@ -4,16 +4,16 @@ Usage::
 
     layercut heal pruned/ --teacher bundled:smollm2-135m -o healed/ --steps 200 --rank 16
 
-    from heal.train import heal_model
-    from heal.config import HealConfig
+    from layercut.heal.train import heal_model
+    from layercut.heal.config import HealConfig
     result = heal_model(student, teacher, tokenizer, HealConfig(steps=200), out_dir="healed")
     result.model            # merged dense student; healed/ holds it as a checkpoint
 
-The loop: peft LoRA on the decoder blocks' linears (heal.lora), loss = token-level
-KL(teacher ‖ student) by default (heal.losses; teacher on the fly in no_grad, or a
+The loop: peft LoRA on the decoder blocks' linears (layercut.heal.lora), loss = token-level
+KL(teacher ‖ student) by default (layercut.heal.losses; teacher on the fly in no_grad, or a
 cached top-k), AdamW with warmup + cosine, gradient checkpointing, then
 ``merge_and_unload``. Device placement, ``prepare`` and ``backward`` go through
-``accelerate.Accelerator``, so ``accelerate launch -m compress.cli heal ...`` runs it
+``accelerate.Accelerator``, so ``accelerate launch -m layercut.cli heal ...`` runs it
 data-parallel (``batch`` is per process); only the single-process path is tested here.
 Deterministic under ``seed``: data order is a function of (seed, step) and a resumed
 run restores adapter, optimizer and RNG state, so it ends on the same weights.
@@ -33,12 +33,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from calibrate.data import CalibSet
-from compress.errors import LayercutError
-from export.checkpoint import atomic_dir, check_output_dir, write_checkpoint_into
-from heal.config import HealConfig, HealResult
-from heal.data import HealDataset, TopKCache, build_topk_cache, heal_data
-from heal.lora import (
+from layercut.calibrate.data import CalibSet
+from layercut.compress.errors import LayercutError
+from layercut.export.checkpoint import atomic_dir, check_output_dir, write_checkpoint_into
+from layercut.heal.config import HealConfig, HealResult
+from layercut.heal.data import HealDataset, TopKCache, build_topk_cache, heal_data
+from layercut.heal.lora import (
     check_descendant,
     dequantize_modules,
     lora_module_count,
@@ -46,8 +46,8 @@ from heal.lora import (
     resolve_targets,
     wrap_lora,
 )
-from heal.losses import TopK, heal_loss
-from heal.state import default_state_dir, latest_state, load_state, restore_rng, save_state
+from layercut.heal.losses import TopK, heal_loss
+from layercut.heal.state import default_state_dir, latest_state, load_state, restore_rng, save_state
 
 REQUANTIZE_NOTE = ("the input was quantized: the adapter (saved in adapter/) was trained over the dequantized "
                    "layers, and the merged weights here are dense (dequantized + LoRA); merging needs a "
@@ -83,7 +83,7 @@ def heal_model(
     """Train LoRA adapters on ``student`` toward ``teacher``, merge them, optionally save.
 
     ``teacher``: the original model (run on the fly), a :class:`TopKCache` built from it
-    (``heal.data.build_topk_cache``), or None for ``loss="lm"``. With ``teacher_topk`` set
+    (``layercut.heal.data.build_topk_cache``), or None for ``loss="lm"``. With ``teacher_topk`` set
     and a model given, the cache is built first. ``student`` is modified in place and
     returned merged in ``result.model``. ``out_dir``: write the merged checkpoint there
     atomically (plus ``adapter/`` with ``save_adapter`` or a quantized input). Training
@@ -114,7 +114,7 @@ def heal_model(
         raise LayercutError(f"heal data has {data.num_samples} sequences, config asks {cfg.num_samples}")
     _, vocab, _ = model_dims(student)
 
-    from compress.devices import resolve_device
+    from layercut.compress.devices import resolve_device
 
     accelerator = Accelerator(cpu=resolve_device(cfg.device).type == "cpu")  # auto: cuda when available
     set_seed(cfg.seed)

@@ -10,7 +10,7 @@
 # The kernel tests and the benchmark import only torch, triton, numpy and safetensors (plus
 # pytest), so a bare GPU machine with its own, older, torch and triton runs them. Save device
 # time by preparing, on any machine with nvcc (no GPU needed), and shipping with the checkout:
-#   python -m compress.kernels.build --out build/kernels          # the CUDA C library
+#   python -m layercut.compress.kernels.build --out build/kernels          # the CUDA C library
 #   python -m pip install --target build/pydeps pytest            # only if the GPU machine lacks pytest
 # The prebuilt library is used when its smoke test passes there, else the device's nvcc builds
 # one. The quantize-and-load test also needs transformers/accelerate/tokenizers; without them it
@@ -43,8 +43,8 @@ fi
 smoke() {  # one GEMV through the CUDA C kernel against the reference
   LAYERCUT_KERNEL_LIB="$1" LAYERCUT_KERNELS=cuda "$PY" - <<'EOF'
 import torch
-from compress.kernels import ops
-from compress.quant.pack import pack_gptq
+from layercut.compress.kernels import ops
+from layercut.compress.quant.pack import pack_gptq
 q = torch.randint(0, 16, (256, 512), device="cuda"); z = torch.randint(1, 16, (4, 256), device="cuda")
 s = torch.rand(4, 256, device="cuda") * 0.01; g = torch.arange(512, device="cuda") // 128
 p = pack_gptq(q, z, s, g, 4); a = [p[k] for k in ("qweight", "qzeros", "scales", "g_idx")]
@@ -62,7 +62,7 @@ if [ -f build/kernels/liblayercut_kernels.so ] && smoke "$PWD/build/kernels/libl
 else
   log "building kernels with nvcc (prebuilt absent or not working here; see build.log)"
   start=$(date +%s)
-  if timeout 150 "$PY" -m compress.kernels.build --out "$OUT/build" >> "$OUT/build.log" 2>&1; then
+  if timeout 150 "$PY" -m layercut.compress.kernels.build --out "$OUT/build" >> "$OUT/build.log" 2>&1; then
     LIB="$OUT/build/liblayercut_kernels.so"; log "built in $(( $(date +%s) - start ))s"
     smoke "$LIB" >> "$OUT/build.log" 2>&1 || log "SMOKE FAILED with the fresh build (see build.log)"
   else

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="compare with --out instead of writing it")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from calibrate.data import load_texts
+    from layercut.calibrate.data import load_texts
 
     text = render(build_items(load_texts(SOURCE)))
     if args.check:

@@ -95,7 +95,7 @@ def tiny_tokenizer(tmp_path_factory):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from calibrate.data import load_texts
+    from layercut.calibrate.data import load_texts
 
     docs = load_texts("bundled:brown-calib")[:40]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -129,6 +129,6 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
 
 @pytest.fixture()
 def calib(tiny_tokenizer):
-    from calibrate.data import calibration_batch
+    from layercut.calibrate.data import calibration_batch
 
     return calibration_batch(tiny_tokenizer, "bundled:brown-calib", samples=6, seq_len=32, seed=0)

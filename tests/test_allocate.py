@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from compress.errors import LayercutError
-from compress.quant.allocate import (
+from layercut.compress.errors import LayercutError
+from layercut.compress.quant.allocate import (
     Allocation,
     Unit,
     allocate_bits,

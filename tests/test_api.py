@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import layercut
-from compress.errors import LayercutError
+from layercut.compress.errors import LayercutError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def _state(model) -> dict[str, torch.Tensor]:
 
 def test_prune_in_memory_equals_prune_on_disk(tiny_model_dir, tmp_path):
     """layercut.prune (memory) and the prune stage's run (disk) give the same weights: one core."""
-    from compress.stages.prune import PruneConfig, run
+    from layercut.compress.stages.prune import PruneConfig, run
 
     src = tiny_model_dir("llama")
     config = PruneConfig(drop=2, select="block-influence", replace="lstsq", samples=4, seq_len=32, batch_size=2)
@@ -50,7 +50,7 @@ def test_prune_in_memory_equals_prune_on_disk(tiny_model_dir, tmp_path):
 
 
 def test_score_in_memory_equals_score_on_disk(tiny_model_dir):
-    from compress.stages.score import ScoreConfig, run
+    from layercut.compress.stages.score import ScoreConfig, run
 
     src = tiny_model_dir("llama")
     config = ScoreConfig(method="block-influence,angular,gate-norm", drop=2, samples=4, seq_len=32, batch_size=2)
@@ -65,9 +65,9 @@ def test_score_in_memory_equals_score_on_disk(tiny_model_dir):
 
 def test_quantize_in_memory_equals_the_checkpoint(tiny_model_dir, tmp_path):
     """layercut.quantize leaves each linear holding exactly what the stage's checkpoint decodes to."""
-    from compress.quant.qlinear import QuantLinear
-    from compress.stages.base import RunEnv
-    from compress.stages.quantize import QuantizeConfig, run
+    from layercut.compress.quant.qlinear import QuantLinear
+    from layercut.compress.stages.base import RunEnv
+    from layercut.compress.stages.quantize import QuantizeConfig, run
 
     src = tiny_model_dir("llama")
     config = QuantizeConfig(avg_bits=6.0, candidates=[4, 8], group_size=32, samples=4, seq_len=32, batch_size=2,
@@ -123,7 +123,7 @@ def test_api_evaluate_export_and_options(tiny_model_dir, tmp_path):
 
 def test_dtype_reaches_the_loader(tiny_model_dir):
     """--dtype is the load/compute dtype of every stage: bf16 evaluates close to, not equal to, fp32."""
-    from compress.stages.eval import EvalConfig, run
+    from layercut.compress.stages.eval import EvalConfig, run
 
     src = tiny_model_dir("llama")
     assert next(layercut.load(src, dtype="bf16")[0].parameters()).dtype == torch.bfloat16
@@ -143,37 +143,56 @@ def test_api_run_recipe(tiny_model_dir, tmp_path):
 
 
 def test_every_module_has_one_name_and_the_op_registers_once():
-    """``layercut`` does not re-export compress/heal/... under a second name: a module imported
-    twice would run its ``torch.library.custom_op`` twice."""
-    import compress.kernels.ops as ops
+    """Every module of the checkout loads once, under ``layercut.``: a module imported twice would
+    run its ``torch.library.custom_op`` twice. A bare ``import compress`` from the checkout (whose
+    folders sit on sys.path) refuses with one line instead of loading a second copy."""
+    import layercut.compress.kernels.ops as ops
 
-    code = ("import sys, layercut, compress.kernels.ops, compress.quant.qlinear, heal.train, export.export\n"
-            "import compress.cli, compress.pipeline\n"
+    code = ("import sys, layercut, layercut.compress.kernels.ops, layercut.compress.quant.qlinear\n"
+            "import layercut.heal.train, layercut.export.export, layercut.compress.cli, layercut.compress.pipeline\n"
             "files = {}\n"
             "for name, m in list(sys.modules.items()):\n"
             "    f = getattr(m, '__file__', None)\n"
             "    if f and f.startswith(sys.argv[1]) and 'site-packages' not in f:\n"
             "        files.setdefault(f, []).append(name)\n"
             "print(sorted(v for v in files.values() if len(v) > 1))\n"
-            "print(sorted(n for n in sys.modules if n.startswith('layercut.')))\n")
+            "print(sorted(n for v in files.values() for n in v if n.split('.')[0] != 'layercut'))\n"
+            "print(len(files) > 30)\n")
     res = subprocess.run([sys.executable, "-c", code, str(REPO) + os.sep], capture_output=True, text=True,
                          cwd=REPO, timeout=300)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.splitlines() == ["[]", "[]"]
+    assert res.stdout.splitlines() == ["[]", "[]", "True"]
     # the op the package uses is the one registered under layercut::gptq_matmul
     assert sum(m is ops for m in sys.modules.values()) == 1
     assert torch.ops.layercut.gptq_matmul.default is ops.gptq_matmul._opoverload    # (a second import under another name would re-run custom_op and replace this registration)
+    for bare in ("compress", "calibrate", "heal", "export"):
+        res = subprocess.run([sys.executable, "-c", f"import {bare}"], capture_output=True, text=True, cwd=REPO,
+                             timeout=120)
+        assert res.returncode == 1 and res.stderr.strip().splitlines()[-1] == (
+            f"ImportError: import layercut.{bare}, not {bare}: layercut installs one top-level package "
+            "(pip install -e . from the checkout)")
+
+
+def test_heal_and_export_are_the_api_functions_and_the_subpackages():
+    """``layercut.export``/``layercut.heal`` stay callable after their subpackages are imported."""
+    import layercut.export.card  # noqa: F401 (binds layercut.export to the subpackage)
+    import layercut.heal.train  # noqa: F401
+
+    assert callable(layercut.export) and callable(layercut.heal)
+    assert layercut.export.card.__name__ == "layercut.export.card"
+    with pytest.raises(layercut.LayercutError, match="max_shard"):
+        layercut.export(None, None, "unused", max_shard="1GB")
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "compress.cli", *args], capture_output=True, text=True, cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "layercut.cli", *args], capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, timeout=300)
 
 
 def test_version_and_help_do_not_load_torch():
     res = _cli("--version")
     assert res.returncode == 0 and res.stdout.strip() == f"layercut {layercut.__version__}"
-    code = ("import sys\nfrom compress.cli import main\n"
+    code = ("import sys\nfrom layercut.compress.cli import main\n"
             "for argv in (['--help'], ['quantize', '--help'], ['eval', '--help'], ['run', '--help']):\n"
             "    assert main(argv) == 0\n"
             "import layercut\n"
@@ -185,7 +204,7 @@ def test_version_and_help_do_not_load_torch():
 
 
 def test_quiet_and_verbose(tiny_model_dir, capsys):
-    from compress.cli import main
+    from layercut.compress.cli import main
 
     model = str(tiny_model_dir("llama"))
     root = list(logging.getLogger().handlers)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard, ModelCardData
 
-from export.card import card_facts, card_files, render_card, write_card
-from export.card_usage import set_usage, usage_block
-from export.push import pushed_card
+from layercut.export.card import card_facts, card_files, render_card, write_card
+from layercut.export.card_usage import set_usage, usage_block
+from layercut.export.push import pushed_card
 
 EVAL = {
     "model": {"ppl": 20.12345, "kl": 0.05123, "tokens": 512, "ctx": 128, "params": 9e8, "bytes": 5 * 2**20,

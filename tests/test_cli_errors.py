@@ -1,6 +1,6 @@
 """Bad input across the CLI: one clear ``error:`` line, a non-zero exit, no partial output.
 
-Each case runs ``compress.cli.main`` in-process (fast) and checks: exit code, exactly one
+Each case runs ``layercut.compress.cli.main`` in-process (fast) and checks: exit code, exactly one
 non-empty stderr line starting with ``error:`` and containing the expected words, empty
 stdout, and that the file tree under the test's folder is unchanged apart from what the
 case explicitly allows (nothing, for all of them).
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from compress.cli import main
-from compress.pipeline import KILL_ENV
+from layercut.compress.cli import main
+from layercut.compress.pipeline import KILL_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD_STAGES = """  - prune: {layers: [2], samples: 2, seq_len: 16}
@@ -227,7 +227,7 @@ def test_interrupted_write_leaves_no_partial_stage(ws, tmp_path):
     out = d / "interrupted"
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", KILL_ENV: "stage-1-written:INT"}
     # SIGINT back to its default in the child: a shell's background job inherits it ignored
-    res = subprocess.run([sys.executable, "-m", "compress.cli", "run", str(d / "ok.yaml"), "-o", str(out), "--json"],
+    res = subprocess.run([sys.executable, "-m", "layercut.cli", "run", str(d / "ok.yaml"), "-o", str(out), "--json"],
                          capture_output=True, text=True, env=env, timeout=600,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert res.returncode == 130

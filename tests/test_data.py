@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from calibrate import DEFAULT_EVAL_TEXT
-from calibrate.data import DATA_DIR, EVAL_TEXTS, calibration_batch, load_texts
-from compress.errors import LayercutError
+from layercut.calibrate import DEFAULT_EVAL_TEXT
+from layercut.calibrate.data import DATA_DIR, EVAL_TEXTS, calibration_batch, load_texts
+from layercut.compress.errors import LayercutError
 
 
 def test_bundled_brown_split_is_disjoint_and_documented():
@@ -70,8 +70,8 @@ def test_default_eval_text_is_the_test_split():
 
 @pytest.mark.parametrize("text", ["bundled:brown-heldout", "bundled:brown-val", " bundled:brown-test "])
 def test_heal_data_refuses_every_evaluation_split(tiny_tokenizer, text):
-    from heal.config import HealConfig
-    from heal.data import heal_data
+    from layercut.heal.config import HealConfig
+    from layercut.heal.data import heal_data
 
     with pytest.raises(LayercutError, match="evaluation text"):
         heal_data(tiny_tokenizer, HealConfig(data=text, samples=2, seq_len=16))

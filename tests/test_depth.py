@@ -10,11 +10,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from calibrate.capture import run_blocks
-from calibrate.data import CalibSet
-from compress.arch import arch_for, get_submodule
-from compress.depth.blocks import drop_blocks
-from compress.depth.cores import (
+from layercut.calibrate.capture import run_blocks
+from layercut.calibrate.data import CalibSet
+from layercut.compress.arch import arch_for, get_submodule
+from layercut.compress.depth.blocks import drop_blocks
+from layercut.compress.depth.cores import (
     cosine_map,
     laco_merge,
     lstsq_map,
@@ -23,10 +23,10 @@ from compress.depth.cores import (
     merge_map_into_down,
     runs_of,
 )
-from compress.depth.fuse import fuse_blocks
-from compress.depth.replace import fit_linear_maps, linear_replace, merge_maps
-from compress.depth.sublayers import drop_sublayers
-from compress.errors import LayercutError
+from layercut.compress.depth.fuse import fuse_blocks
+from layercut.compress.depth.replace import fit_linear_maps, linear_replace, merge_maps
+from layercut.compress.depth.sublayers import drop_sublayers
+from layercut.compress.errors import LayercutError
 from tests.conftest import FAMILIES, build_tiny_model
 
 LLAMA_LIKE = ["llama", "mistral", "qwen2", "qwen3"]
@@ -409,7 +409,7 @@ def test_fuse_fit_finds_the_known_optimum(calib):
 
 # -- CLI ---------------------------------------------------------------------------------------------
 def _cli(*argv):
-    from compress.cli import main
+    from layercut.compress.cli import main
 
     return main([str(a) for a in argv])
 
@@ -462,7 +462,7 @@ def test_real_model_prune_outputs_load(tmp_path):
     """SmolLM2: block drop loads in stock transformers; attention drop (gate-norm) with remote code."""
     from transformers import AutoModelForCausalLM
 
-    from compress.depth.prune import prune
+    from layercut.compress.depth.prune import prune
 
     blocks = prune("bundled:smollm2-135m", tmp_path / "blocks", layers="12-17,25,26", progress=False)
     assert blocks["num_layers_after"] == 22

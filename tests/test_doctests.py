@@ -23,13 +23,14 @@ def modules_with_examples() -> list[str]:
             if ">>>" in path.read_text(encoding="utf-8"):
                 rel = path.relative_to(REPO).with_suffix("")
                 parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-                names.append(".".join(parts))
+                names.append(".".join(parts if package == "layercut" else ("layercut", *parts)))
     return names
 
 
 def test_examples_are_found():
     found = modules_with_examples()
-    for name in ("compress.recipe", "compress.stages.prune", "compress.stages.quantize", "compress.stages.base"):
+    for name in ("layercut.compress.recipe", "layercut.compress.stages.prune", "layercut.compress.stages.quantize",
+                 "layercut.compress.stages.base", "layercut.calibrate.sources"):
         assert name in found
 
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from calibrate import DEFAULT_EVAL_TEXT
-from compress.cli import main
-from compress.evaluate import eval_tokens, evaluate, make_windows
-from compress.models import load_model
+from layercut.calibrate import DEFAULT_EVAL_TEXT
+from layercut.compress.cli import main
+from layercut.compress.evaluate import eval_tokens, evaluate, make_windows
+from layercut.compress.models import load_model
 
 
 def test_windows_follow_protocol():

@@ -9,8 +9,8 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 
-from compress.cli import main
-from export.export import INDEX, check_pt_metadata
+from layercut.compress.cli import main
+from layercut.export.export import INDEX, check_pt_metadata
 
 
 def _logits(model, ids):
@@ -41,7 +41,7 @@ def test_export_dense_float16_with_index_and_card(tiny_model_dir, tmp_path, caps
 
 
 def test_single_shard_gets_an_index(tiny_model_dir, tmp_path):
-    from export.export import export_checkpoint
+    from layercut.export.export import export_checkpoint
 
     res = export_checkpoint(tiny_model_dir("llama"), tmp_path / "one")
     assert "model-00001-of-00001.safetensors" in res.files and INDEX in res.files
@@ -50,7 +50,7 @@ def test_single_shard_gets_an_index(tiny_model_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def quantized(tiny_model_dir, tmp_path_factory):
-    from compress.quant.run import quantize_checkpoint
+    from layercut.compress.quant.run import quantize_checkpoint
 
     out = tmp_path_factory.mktemp("q") / "q4"
     quantize_checkpoint(str(tiny_model_dir("llama")), out, bits=4, group_size=32, samples=4, seq_len=32,
@@ -61,7 +61,7 @@ def quantized(tiny_model_dir, tmp_path_factory):
 def test_dequantize_matches_the_quantized_model(quantized, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from compress.models import load_model
+    from layercut.compress.models import load_model
 
     out = tmp_path / "dense"
     assert main(["export", str(quantized), "-o", str(out), "--dequantize", "--json"]) == 0
@@ -79,7 +79,7 @@ def test_dequantize_matches_the_quantized_model(quantized, tmp_path, capsys):
 
 
 def test_quantized_export_copies_bytes(quantized, tmp_path):
-    from export.export import export_checkpoint
+    from layercut.export.export import export_checkpoint
 
     export_checkpoint(quantized, tmp_path / "copy")
     for f in quantized.glob("*.safetensors"):
@@ -91,7 +91,7 @@ def test_quantized_export_copies_bytes(quantized, tmp_path):
 
 def test_card_of_an_exported_gptq_checkpoint_loads_it_with_transformers(quantized, tmp_path):
     """One bit width everywhere: the card's snippet is stock transformers (through optimum + gptqmodel)."""
-    from export.card_usage import folder_kind
+    from layercut.export.card_usage import folder_kind
 
     out = tmp_path / "q"
     assert main(["export", str(quantized), "-o", str(out)]) == 0
@@ -114,13 +114,13 @@ def _tensors(folder):
 @pytest.mark.parametrize("save", [None, "fp16", "bf16"])
 def test_streamed_dense_export_equals_the_whole_model_path(tiny_model_dir, tmp_path, save, monkeypatch):
     """A dense export is a tensor-by-tensor copy (one tensor in memory), equal to load + save_pretrained."""
-    import compress.models
+    import layercut.compress.models
 
     src = tiny_model_dir("llama")
     flags = ["--save-dtype", save] if save else []
     calls = []
-    real = compress.models.load_model
-    monkeypatch.setattr(compress.models, "load_model", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = layercut.compress.models.load_model
+    monkeypatch.setattr(layercut.compress.models, "load_model", lambda *a, **k: calls.append(a) or real(*a, **k))
     assert main(["export", str(src), "-o", str(tmp_path / "streamed"), "--no-card", *flags]) == 0
     assert calls == []  # the streamed path never builds the model
     assert main(["export", str(src), "-o", str(tmp_path / "whole"), "--no-card", "--whole-model", *flags]) == 0

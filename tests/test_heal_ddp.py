@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from compress.depth.blocks import drop_blocks
+from layercut.compress.depth.blocks import drop_blocks
 
 
 def _heal_argv(student, teacher, out, batch: int) -> list[str]:
@@ -38,7 +38,7 @@ def _run(argv: list[str], tmp_path, out) -> dict:
 
 
 def test_two_process_gloo_heal_matches_one_process(tiny_model_dir, tmp_path):
-    from compress.models import load_model
+    from layercut.compress.models import load_model
 
     src = tiny_model_dir("llama")
     student = tmp_path / "pruned"
@@ -47,12 +47,12 @@ def test_two_process_gloo_heal_matches_one_process(tiny_model_dir, tmp_path):
     model.save_pretrained(student)
     tok.save_pretrained(student)
 
-    one = _run([sys.executable, "-m", "compress.cli", *_heal_argv(student, src, tmp_path / "one", batch=2)], tmp_path,
+    one = _run([sys.executable, "-m", "layercut.cli", *_heal_argv(student, src, tmp_path / "one", batch=2)], tmp_path,
                tmp_path / "one")
     # accelerate's distributed launcher (torchrun underneath; its --cpu flag would start ONE process); with
     # --device cpu the processes form a gloo group on the CPU
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "compress.cli"]
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "layercut.cli"]
     two = _run([*launcher, *_heal_argv(student, src, tmp_path / "two", batch=1)], tmp_path, tmp_path / "two")
 
     assert len(one["losses"]) == len(two["losses"]) == 4

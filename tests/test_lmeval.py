@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from compress.cli import main
-from compress.lmeval import INSTALL_HINT, TASK_DIR
-from compress.stages.eval import EvalConfig, run
+from layercut.compress.cli import main
+from layercut.compress.lmeval import INSTALL_HINT, TASK_DIR
+from layercut.compress.stages.eval import EvalConfig, run
 from tests.conftest import import_extra
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,7 +84,7 @@ def test_tasks_report_shape_and_values_match_a_direct_computation(lm_eval, tiny_
     assert report["lm_eval_version"] == lm_eval.__version__
     assert json.loads(out.read_text())["tasks"] == report["tasks"]  # the written report holds them too
 
-    from compress.models import load_model
+    from layercut.compress.models import load_model
 
     model, tokenizer = load_model(model_dir)
     acc, acc_norm = own_accuracy(model, tokenizer, rows()[:12])
@@ -99,8 +99,8 @@ def test_num_fewshot_reaches_the_task(lm_eval, tiny_model_dir):
 
 def test_tasks_on_a_depth_pruned_model_in_a_recipe(lm_eval, tiny_model_dir, tmp_path):
     """The recipe's eval stage takes the same options; the tasks land in eval.json and report.json."""
-    from compress.pipeline import run_recipe
-    from compress.recipe import Recipe
+    from layercut.compress.pipeline import run_recipe
+    from layercut.compress.recipe import Recipe
 
     recipe = Recipe.from_dict({"version": 1, "model": str(tiny_model_dir("llama")), "stages": [
         {"prune": {"layers": [4], "samples": 2, "seq_len": 16}},
@@ -114,21 +114,21 @@ def test_tasks_on_a_depth_pruned_model_in_a_recipe(lm_eval, tiny_model_dir, tmp_
 
 
 def test_tasks_on_a_gptq_checkpoint_run_its_quantlinear_layers(lm_eval, tiny_model_dir, tmp_path, monkeypatch):
-    import compress.lmeval
-    from compress.quant.qlinear import QuantLinear
-    from compress.stages.quantize import QuantizeConfig
-    from compress.stages.quantize import run as quantize
+    import layercut.compress.lmeval
+    from layercut.compress.quant.qlinear import QuantLinear
+    from layercut.compress.stages.quantize import QuantizeConfig
+    from layercut.compress.stages.quantize import run as quantize
 
     q = tmp_path / "q4"
     quantize(QuantizeConfig(bits=4, group_size=32, method="rtn"), tiny_model_dir("llama"), q)
     seen = {}
-    original = compress.lmeval.run_tasks
+    original = layercut.compress.lmeval.run_tasks
 
     def spy(model, *args, **kwargs):
         seen["quantlinear"] = sum(isinstance(m, QuantLinear) for m in model.modules())
         return original(model, *args, **kwargs)
 
-    monkeypatch.setattr(compress.lmeval, "run_tasks", spy)
+    monkeypatch.setattr(layercut.compress.lmeval, "run_tasks", spy)
     report = run(EvalConfig(**FAST, tasks="brown_cloze", limit=4), q)
     assert seen["quantlinear"] == 6 * 7  # every linear of the 6 blocks
     assert report["tasks"]["brown_cloze"]["samples"] == 4
@@ -217,8 +217,8 @@ def test_tasks_without_lm_eval_is_one_clear_line_before_any_work(tiny_model_dir,
 
 
 def test_layercut_and_eval_help_do_not_import_lm_eval():
-    code = ("import sys, layercut, compress.lmeval, compress.stages.eval\n"
-            "from compress.cli import main\n"
+    code = ("import sys, layercut, layercut.compress.lmeval, layercut.compress.stages.eval\n"
+            "from layercut.compress.cli import main\n"
             "main(['eval', '--help'])\n"
             "print('lm_eval' in sys.modules)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)

@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import build_tiny_model
 
-from compress.errors import LayercutError
-from compress.models import _check_weights, load_model, resolve_model
-from export.shards import INDEX, SINGLE, ShardWriter, parse_size
+from layercut.compress.errors import LayercutError
+from layercut.compress.models import _check_weights, load_model, resolve_model
+from layercut.export.shards import INDEX, SINGLE, ShardWriter, parse_size
 
 
 def _save_sharded(model, tokenizer, folder: Path, max_bytes: int) -> list[Path]:
@@ -179,7 +179,7 @@ def test_streamed_gguf_conversion_matches_transformers(tmp_path, monkeypatch):
     """The one-tensor-at-a-time conversion equals transformers' whole-model GGUF load, bit for bit (fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from compress.models import bundled_gguf_path
+    from layercut.compress.models import bundled_gguf_path
 
     monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path))
     gguf = bundled_gguf_path("smollm2-135m")

@@ -1,7 +1,7 @@
 """``layercut run``: run directory layout, reports, gates, and kill/resume byte identity.
 
 The kill tests run the CLI in a subprocess and SIGKILL it, either at named points
-(``LAYERCUT_KILL_AT``, see ``compress.pipeline._hook``) or at random times (slow), then
+(``LAYERCUT_KILL_AT``, see ``layercut.compress.pipeline._hook``) or at random times (slow), then
 ``--resume`` and compare the final checkpoint with an uninterrupted in-process run.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from compress.errors import GateFailed, LayercutError
-from compress.pipeline import KILL_ENV, run_recipe
-from compress.recipe import Recipe
+from layercut.compress.errors import GateFailed, LayercutError
+from layercut.compress.pipeline import KILL_ENV, run_recipe
+from layercut.compress.recipe import Recipe
 
 REPO = Path(__file__).resolve().parents[1]
 SPEED_ROW = "| tokens/s"
@@ -95,8 +95,8 @@ def test_run_directory_layout_and_report(reference_run):
     # the final (GPTQ) checkpoint loads with 4 decoder layers and computes finite logits
     import torch
 
-    from compress.models import load_model
-    from compress.quant.qlinear import QuantLinear
+    from layercut.compress.models import load_model
+    from layercut.compress.quant.qlinear import QuantLinear
 
     model, tokenizer = load_model(final)
     assert model.config.num_hidden_layers == 4 and len(model.model.layers) == 4
@@ -110,7 +110,7 @@ def _cli(args: list[str], kill_at: str | None = None) -> subprocess.CompletedPro
     env.pop(KILL_ENV, None)
     if kill_at:
         env[KILL_ENV] = kill_at
-    return subprocess.run([sys.executable, "-m", "compress.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "layercut.cli", *args], capture_output=True, text=True, env=env,
                           timeout=600)
 
 
@@ -206,7 +206,7 @@ def test_sigkill_at_random_times_then_resume(reference_run, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     for attempt in range(3):
         out = tmp_path / f"run{attempt}"
-        proc = subprocess.Popen([sys.executable, "-m", "compress.cli", "run", str(path), "-o", str(out), "--json"],
+        proc = subprocess.Popen([sys.executable, "-m", "layercut.cli", "run", str(path), "-o", str(out), "--json"],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(rng.uniform(4.0, 4.0 + ref_report["total_wall_s"] * 1.5))
         if proc.poll() is None:
@@ -221,7 +221,7 @@ def test_card_front_matter_and_tables(tmp_path):
     """Provenance is copied where known; bits per layer and numbers come from the reports."""
     import yaml
 
-    from export.card import card_facts, render_card
+    from layercut.export.card import card_facts, render_card
 
     source = tmp_path / "src"
     source.mkdir()
@@ -263,7 +263,7 @@ def test_peak_rss_is_per_block():
 
     import psutil
 
-    from compress.resources import PeakRSS
+    from layercut.compress.resources import PeakRSS
 
     def touched(mb: int) -> mmap.mmap:
         """Fresh anonymous pages, every one written: resident whatever the heap already holds

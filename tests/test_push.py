@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from compress.cli import main
-from export.export import export_checkpoint
+from layercut.compress.cli import main
+from layercut.export.export import export_checkpoint
 
 TOKEN = "hf_TestTokenDoNotLeak1234567890abcdef"
 XET_TOKEN = "xet_TestCasToken0987654321"  # what the CAS must see instead of the Hub token
@@ -237,7 +237,7 @@ def exported(tmp_path_factory, tiny_model_dir):
 
 
 def _cli(args: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "compress.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "layercut.cli", *args], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=300)
 
 
@@ -365,7 +365,7 @@ def test_dry_run_of_a_run_directory_pushes_its_final_model(exported, tmp_path, c
 
 def test_pushed_card_loads_the_repo_id_not_the_local_folder(hub, tmp_path, tiny_model_dir):
     """A layercut card's usage snippet names the local folder; what the Hub receives names the repo."""
-    from export.card import write_card
+    from layercut.export.card import write_card
 
     folder = tmp_path / "release"
     export_checkpoint(tiny_model_dir("llama"), folder)

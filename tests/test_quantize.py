@@ -15,16 +15,21 @@ import shutil
 import pytest
 import torch
 
-from calibrate.data import CalibSet, calibration_batch
-from compress.cli import main
-from compress.errors import LayercutError
-from compress.quant.checkpoint import dynamic_overrides, resolve_dynamic, save_quantized
-from compress.quant.loader import load_quantized
-from compress.quant.pack import dequantize_gptq
-from compress.quant.qlinear import QuantLinear
-from compress.quant.run import quantize_checkpoint
-from compress.quant.sensitivity import allocation_units, expand_bits, measure_sensitivity, rank_correlation
-from compress.quant.stage import QuantConfig, quantize_model, target_linears
+from layercut.calibrate.data import CalibSet, calibration_batch
+from layercut.compress.cli import main
+from layercut.compress.errors import LayercutError
+from layercut.compress.quant.checkpoint import dynamic_overrides, resolve_dynamic, save_quantized
+from layercut.compress.quant.loader import load_quantized
+from layercut.compress.quant.pack import dequantize_gptq
+from layercut.compress.quant.qlinear import QuantLinear
+from layercut.compress.quant.run import quantize_checkpoint
+from layercut.compress.quant.sensitivity import (
+    allocation_units,
+    expand_bits,
+    measure_sensitivity,
+    rank_correlation,
+)
+from layercut.compress.quant.stage import QuantConfig, quantize_model, target_linears
 from tests.conftest import tiny_config
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
@@ -100,7 +105,7 @@ def test_weights_in_place_equal_packed_dequant(quantized):
 
 
 def test_rtn_stage_matches_core(tiny_tokenizer):
-    from compress.quant.gptq import rtn_quantize
+    from layercut.compress.quant.gptq import rtn_quantize
 
     model, ref = small_model("llama"), small_model("llama")
     quantize_model(model, None, QuantConfig(bits=3, group_size=GS, method="rtn"), progress=False)
@@ -247,7 +252,7 @@ def test_gptqmodel_loads_mixed(quantized):
 
 
 def test_load_model_routes_to_layercut_loader(quantized):
-    from compress.models import load_model
+    from layercut.compress.models import load_model
 
     (entries, _) = quantized
     model, tok = load_model(entries["mixed"][0])

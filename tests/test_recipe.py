@@ -8,12 +8,12 @@ import typing
 import pytest
 import yaml
 
-from compress.errors import LayercutError
-from compress.recipe import STAGE_TYPES, Recipe, check_stage_order, load_recipe
-from compress.stages.eval import EvalConfig as EvalStage
-from compress.stages.export import ExportConfig as ExportStage
-from compress.stages.prune import PruneConfig as PruneStage
-from compress.stages.score import ScoreConfig as ScoreStage
+from layercut.compress.errors import LayercutError
+from layercut.compress.recipe import STAGE_TYPES, Recipe, check_stage_order, load_recipe
+from layercut.compress.stages.eval import EvalConfig as EvalStage
+from layercut.compress.stages.export import ExportConfig as ExportStage
+from layercut.compress.stages.prune import PruneConfig as PruneStage
+from layercut.compress.stages.score import ScoreConfig as ScoreStage
 
 BASE = {"version": 1, "model": "bundled:smollm2-135m",
         "stages": [{"prune": {"drop": "25%", "select": "block-influence", "replace": "lstsq"}}, "export",
@@ -139,8 +139,8 @@ _CLI_ONLY = {"model", "output", "json", "trust_remote_code", "plot", "overwrite"
 def test_cli_flags_are_the_config_fields(name):
     """Each stage command's flags are generated from the same class the recipe validates against:
     the same names, choices and defaults (shown in the help), and the parsed flags build that class."""
-    from compress.cli import build_parser
-    from compress.stages.flags import _members, cli_default, config_from_args
+    from layercut.compress.cli import build_parser
+    from layercut.compress.stages.flags import _members, cli_default, config_from_args
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
@@ -169,9 +169,9 @@ def test_cli_flags_are_the_config_fields(name):
 def test_flags_round_trip_every_kind_of_field():
     """A command line of every field kind gives the config a recipe would: ints, floats, lists, Literals,
     bools (--x/--no-x), percentages."""
-    from compress.cli import build_parser
-    from compress.stages.flags import config_from_args
-    from compress.stages.quantize import QuantizeConfig
+    from layercut.compress.cli import build_parser
+    from layercut.compress.stages.flags import config_from_args
+    from layercut.compress.stages.quantize import QuantizeConfig
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     args = sub["quantize"].parse_args(["m", "-o", "o", "--avg-bits", "3.5", "--candidates", "3,4", "--no-act-order",
@@ -220,10 +220,10 @@ def test_score_stage_methods():
 
 
 def test_quantize_stage_checks():
-    from compress.quant.gptq import SUPPORTED_BITS
-    from compress.quant.sensitivity import METHODS
-    from compress.stages.quantize import SUPPORTED_BITS as STAGE_BITS
-    from compress.stages.quantize import QuantizeConfig as QuantizeStage
+    from layercut.compress.quant.gptq import SUPPORTED_BITS
+    from layercut.compress.quant.sensitivity import METHODS
+    from layercut.compress.stages.quantize import SUPPORTED_BITS as STAGE_BITS
+    from layercut.compress.stages.quantize import QuantizeConfig as QuantizeStage
 
     assert STAGE_BITS == SUPPORTED_BITS  # the torch-free copy the config checks against
     assert set(QuantizeStage.model_fields["sensitivity"].annotation.__args__) == set(METHODS)
@@ -261,8 +261,8 @@ def test_flag_generation_from_a_new_config():
 
     from pydantic import Field
 
-    from compress.stages.base import StageConfig
-    from compress.stages.flags import add_config_args, config_from_args
+    from layercut.compress.stages.base import StageConfig
+    from layercut.compress.stages.flags import add_config_args, config_from_args
 
     class NewConfig(StageConfig):
         stage: Literal["new"] = "new"

@@ -12,12 +12,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from compress.quant.allocate import allocate_bits
-from compress.quant.loader import load_quantized
-from compress.quant.refine import Refiner, neighbours
-from compress.quant.sensitivity import allocation_units, expand_bits, measure_sensitivity
-from compress.quant.stage import QuantConfig, quantize_model
-from compress.stages.quantize import QuantizeConfig, run
+from layercut.compress.quant.allocate import allocate_bits
+from layercut.compress.quant.loader import load_quantized
+from layercut.compress.quant.refine import Refiner, neighbours
+from layercut.compress.quant.sensitivity import allocation_units, expand_bits, measure_sensitivity
+from layercut.compress.quant.stage import QuantConfig, quantize_model
+from layercut.compress.stages.quantize import QuantizeConfig, run
 from tests.test_mixed_precision import _unit, small_dir  # noqa: F401  (fixture)
 from tests.test_quantize import _calib, small_model
 
@@ -119,7 +119,7 @@ def test_refine_refuses_what_it_cannot_refine(small_dir, tmp_path, capsys, argv)
     """The round re-solves GPTQ's loss per unit: asked for with another measure, RTN or uniform bits
     it is one clear error before any work, and nothing is written. Red if it ran on a table of
     another scale, or was silently skipped."""
-    from compress.cli import main
+    from layercut.compress.cli import main
 
     out = tmp_path / "bad"
     code = main(["quantize", str(small_dir), "-o", str(out), *argv])

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from calibrate.data import CalibSet
-from compress.arch import arch_for, get_submodule
-from compress.cli import main
-from compress.errors import LayercutError
-from compress.select import (
+from layercut.calibrate.data import CalibSet
+from layercut.compress.arch import arch_for, get_submodule
+from layercut.compress.cli import main
+from layercut.compress.errors import LayercutError
+from layercut.compress.select import (
     LayerScores,
     compute_scores,
     gate_norm_from_model,
@@ -25,7 +25,7 @@ from compress.select import (
     select_sublayers,
     swap_kl_scores,
 )
-from compress.select.cores import (
+from layercut.compress.select.cores import (
     angular_last,
     angular_tokens,
     best_span,
@@ -35,7 +35,7 @@ from compress.select.cores import (
     span_distances,
     split_fused_qkv,
 )
-from compress.select.swap_kl import token_kl
+from layercut.compress.select.swap_kl import token_kl
 from tests.conftest import FAMILIES, build_tiny_model
 
 # -- cores on hand-made tensors -------------------------------------------------------------
@@ -156,7 +156,7 @@ def test_qk_split_matches_model_attention(family):
     model(input_ids=torch.tensor([[5]]))  # position 0: rotary is the identity
     for h in handles:
         h.remove()
-    from compress.select.gate_norm import FUSED_LAYOUTS, head_counts
+    from layercut.compress.select.gate_norm import FUSED_LAYOUTS, head_counts
 
     heads, kv, dh = head_counts(model.config.to_dict())
     for block in spec.layers_of(model):

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from calibrate.data import calibration_batch
-from compress.arch import arch_for
-from compress.quant.stage import QuantConfig, linear_weight, quantize_model, set_weight
+from layercut.calibrate.data import calibration_batch
+from layercut.compress.arch import arch_for
+from layercut.compress.quant.stage import QuantConfig, linear_weight, quantize_model, set_weight
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]

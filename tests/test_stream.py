@@ -17,11 +17,11 @@ import pytest
 import torch
 from conftest import build_tiny_model
 
-from calibrate.capture import run_blocks
-from compress.errors import LayercutError
-from compress.evaluate import evaluate_path
-from compress.lazy import LazyModel, TensorIndex
-from compress.stream_eval import evaluate_streamed
+from layercut.calibrate.capture import run_blocks
+from layercut.compress.errors import LayercutError
+from layercut.compress.evaluate import evaluate_path
+from layercut.compress.lazy import LazyModel, TensorIndex
+from layercut.compress.stream_eval import evaluate_streamed
 
 
 def _save(model, tokenizer, path, dtype=None):
@@ -86,7 +86,7 @@ def test_driver_releases_the_block_when_a_callback_raises(tiny_model_dir, calib)
 
 
 def test_lazy_driver_outputs_equal_in_memory(tiny_model_dir, calib):
-    from compress.models import load_model
+    from layercut.compress.models import load_model
 
     model, _ = load_model(tiny_model_dir("gemma3_text"), with_tokenizer=False)
     expected = run_blocks(model, calib, [], batch_size=3, progress=False)
@@ -131,9 +131,9 @@ def test_streamed_block_drop_equals_in_memory_drop(family, tiny_model_dir, tmp_p
 
     from transformers import AutoModelForCausalLM
 
-    from compress.depth.blocks import drop_blocks
-    from compress.depth.stream_drop import drop_blocks_streamed
-    from compress.models import load_model
+    from layercut.compress.depth.blocks import drop_blocks
+    from layercut.compress.depth.stream_drop import drop_blocks_streamed
+    from layercut.compress.models import load_model
 
     src = tiny_model_dir(family)
     summary = drop_blocks_streamed(src, tmp_path / "streamed", [1, 3], max_shard_size=40_000)
@@ -153,7 +153,7 @@ def test_streamed_block_drop_equals_in_memory_drop(family, tiny_model_dir, tmp_p
 
 
 def test_streamed_block_drop_refuses_bad_input(tiny_model_dir, tmp_path):
-    from compress.depth.stream_drop import drop_blocks_streamed
+    from layercut.compress.depth.stream_drop import drop_blocks_streamed
 
     with pytest.raises(LayercutError, match="out of range"):
         drop_blocks_streamed(tiny_model_dir("llama"), tmp_path / "x", [9])
@@ -165,9 +165,9 @@ def test_streamed_replace_equals_in_memory(family, tiny_model_dir, calib, tmp_pa
     """lstsq maps fitted over the lazy driver and folded while copying == linear_replace in memory."""
     from transformers import AutoModelForCausalLM
 
-    from compress.depth.replace import linear_replace
-    from compress.depth.stream_drop import replace_streamed
-    from compress.models import load_model
+    from layercut.compress.depth.replace import linear_replace
+    from layercut.compress.depth.stream_drop import replace_streamed
+    from layercut.compress.models import load_model
 
     src = tiny_model_dir(family)
     _, fits = replace_streamed(src, tmp_path / "streamed", [2, 3], calib, batch_size=3, progress=False)
@@ -192,7 +192,7 @@ def test_prune_stage_streams_and_matches_whole_model(replace, tiny_model_dir, tm
 
     from safetensors.torch import load_file
 
-    from compress.stages.prune import PruneConfig, run
+    from layercut.compress.stages.prune import PruneConfig, run
 
     src = tiny_model_dir("qwen2")
     kw = dict(drop=2, select="block-influence", replace=replace, samples=6, seq_len=32, batch_size=3)
@@ -212,7 +212,7 @@ def test_prune_stage_streams_and_matches_whole_model(replace, tiny_model_dir, tm
 def test_streamed_prune_keeps_a_bf16_checkpoint_bf16(tiny_tokenizer, tmp_path):
     from safetensors import safe_open
 
-    from compress.stages.prune import PruneConfig, run
+    from layercut.compress.stages.prune import PruneConfig, run
 
     src = _save(build_tiny_model("llama"), tiny_tokenizer, tmp_path / "bf16", dtype=torch.bfloat16)
     run(PruneConfig(layers=[2]), str(src), tmp_path / "out")
@@ -223,7 +223,7 @@ def test_streamed_prune_keeps_a_bf16_checkpoint_bf16(tiny_tokenizer, tmp_path):
 
 
 def test_score_stage_streams_and_matches_whole_model(tiny_model_dir):
-    from compress.stages.score import ScoreConfig, run
+    from layercut.compress.stages.score import ScoreConfig, run
 
     kw = dict(method="angular,block-influence,attn-cosine", drop=2, samples=6, seq_len=32)
     streamed = run(ScoreConfig(**kw), str(tiny_model_dir("llama")), env=None)
@@ -236,8 +236,8 @@ def test_quantize_stage_streams_and_matches_whole_model(family, method, tiny_mod
     """Uniform-bit GPTQ or RTN block by block (written and freed at each block's turn) == the whole-model path."""
     from safetensors.torch import load_file
 
-    from compress.quant.loader import load_quantized
-    from compress.stages.quantize import QuantizeConfig, run
+    from layercut.compress.quant.loader import load_quantized
+    from layercut.compress.stages.quantize import QuantizeConfig, run
 
     src = tiny_model_dir(family)
     kw = dict(bits=4, group_size=32, samples=6, seq_len=32, batch_size=3, method=method)

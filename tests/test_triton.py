@@ -51,9 +51,9 @@ import pytest
 import torch
 from gptq_codes import exact_sum_ok, random_codes, small_int_x
 
-from compress.errors import LayercutError
-from compress.kernels import ops
-from compress.quant.pack import pack_gptq
+from layercut.compress.errors import LayercutError
+from layercut.compress.kernels import ops
+from layercut.compress.quant.pack import pack_gptq
 
 HAS_CUDA = torch.cuda.is_available()
 BITS = (2, 3, 4, 8)
@@ -178,7 +178,7 @@ def test_strided_activations(device):
 
 
 def _configs():
-    import compress.kernels.triton_gptq as tg  # for the config lists; kernels run through ops
+    import layercut.compress.kernels.triton_gptq as tg  # for the config lists; kernels run through ops
 
     return [(c, f"decode{i}") for i, c in enumerate(tg.DECODE_CONFIGS)] + [
         (c, f"prefill{i}") for i, c in enumerate(tg.PREFILL_CONFIGS)
@@ -204,7 +204,7 @@ def test_every_autotune_config(device, which, split_k, bits, gs, act_order):
 
 def test_split_k_plan():
     """The decode plan puts about 4 programs per SM and keeps >= 2 K tiles per split."""
-    import compress.kernels.triton_gptq as tg
+    import layercut.compress.kernels.triton_gptq as tg
 
     cfg = tg.DECODE_CONFIGS[0]
     assert tg.split_k_for(cfg, 1, 4096, 4096, 132) == math.ceil(4 * 132 / (4096 / cfg.block_n))
@@ -286,8 +286,8 @@ def test_forcing_triton_without_triton_is_a_clear_error():
     code = (
         "import sys, os\nsys.modules['triton'] = None  # as if not installed\n"
         "os.environ.update(LAYERCUT_KERNELS='triton', TRITON_INTERPRET='1')\n"
-        "import torch\nfrom compress.kernels import ops\nfrom compress.errors import LayercutError\n"
-        "from compress.quant.pack import pack_gptq\n"
+        "import torch\nfrom layercut.compress.kernels import ops\nfrom layercut.compress.errors import LayercutError\n"
+        "from layercut.compress.quant.pack import pack_gptq\n"
         "p = pack_gptq(torch.zeros(8, 32, dtype=torch.int64), torch.ones(1, 8, dtype=torch.int64),"
         " torch.ones(1, 8), torch.zeros(32, dtype=torch.int32), 4)\n"
         "a = [p[k] for k in ('qweight', 'qzeros', 'scales', 'g_idx')]\n"
@@ -316,7 +316,7 @@ def test_kernels_compile_for_sm90_and_sm80():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import compress.kernels.triton_gptq as tg
+    import layercut.compress.kernels.triton_gptq as tg
 
     if tg.INTERPRET:
         pytest.skip("loaded in interpreter mode")
@@ -373,11 +373,11 @@ def test_quantized_tiny_model_through_triton(tiny_tokenizer, tmp_path, monkeypat
     loaded as a checkpoint) gives the reference path's logits with every QuantLinear on Triton."""
     from transformers import AutoModelForCausalLM
 
-    from calibrate.data import calibration_batch
-    from compress.quant.checkpoint import save_quantized
-    from compress.quant.loader import load_quantized
-    from compress.quant.qlinear import QuantLinear
-    from compress.quant.stage import QuantConfig, quantize_model, target_linears
+    from layercut.calibrate.data import calibration_batch
+    from layercut.compress.quant.checkpoint import save_quantized
+    from layercut.compress.quant.loader import load_quantized
+    from layercut.compress.quant.qlinear import QuantLinear
+    from layercut.compress.quant.stage import QuantConfig, quantize_model, target_linears
     from tests.conftest import tiny_config
 
     cfg = tiny_config("llama")
@@ -404,10 +404,10 @@ def test_smollm2_rtn_g64_through_triton(tmp_path, monkeypatch):
     refuses g128 there, since 128 does not divide 576, so the partial last group is covered
     by the op-level tests above), saved and loaded as a GPTQ checkpoint: 4 tokens through
     Triton in the interpreter give the reference path's logits."""
-    from compress.models import load_model
-    from compress.quant.checkpoint import save_quantized
-    from compress.quant.loader import load_quantized
-    from compress.quant.stage import QuantConfig, quantize_model
+    from layercut.compress.models import load_model
+    from layercut.compress.quant.checkpoint import save_quantized
+    from layercut.compress.quant.loader import load_quantized
+    from layercut.compress.quant.stage import QuantConfig, quantize_model
 
     model, tok = load_model("bundled:smollm2-135m")
     res = quantize_model(model, None, QuantConfig(bits=4, group_size=64, method="rtn"), progress=False)

@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction, **parser_kw) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from export.push import push
+    from layercut.export.push import push
 
     plan = push(args.folder, args.repo_id, private=args.private, revision=args.revision,
                 dry_run=args.dry_run, commit_message=args.commit_message)

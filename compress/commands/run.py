@@ -39,8 +39,8 @@ def _terminate(signum, frame):  # SIGTERM (CI cancel, kill) -> the same clean st
 
 
 def run(args: argparse.Namespace) -> dict:
-    from compress.pipeline import run_recipe
-    from compress.recipe import load_recipe
+    from layercut.compress.pipeline import run_recipe
+    from layercut.compress.recipe import load_recipe
 
     signal.signal(signal.SIGTERM, _terminate)
     recipe = load_recipe(args.recipe)

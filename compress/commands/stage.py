@@ -1,7 +1,7 @@
 """``layercut score|prune|heal|quantize|export|eval``: one command per stage, generated.
 
-Every option flag comes from the stage's config class (:mod:`compress.stages`) through
-:func:`compress.stages.flags.add_config_args`; this module adds only what belongs to one
+Every option flag comes from the stage's config class (:mod:`layercut.compress.stages`) through
+:func:`layercut.compress.stages.flags.add_config_args`; this module adds only what belongs to one
 invocation (the input model, ``-o``, ``--json``, ``--overwrite``, ``--trust-remote-code``,
 ``--plot``) and calls the stage's ``run(config, source, output, env)``.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from compress.stages import config_types, stage_module
-from compress.stages.base import RunEnv
+from layercut.compress.stages import config_types, stage_module
+from layercut.compress.stages.base import RunEnv
 
 # stage -> (what -o is, whether it is required, whether the stage writes a checkpoint, --plot help)
 _IO = {
@@ -31,7 +31,7 @@ _MODEL_HELP = {
 
 
 def register(sub: argparse._SubParsersAction, name: str, **parser_kw) -> None:
-    from compress.stages.flags import add_config_args
+    from layercut.compress.stages.flags import add_config_args
 
     cls = config_types()[name]
     out_help, required, writes, plot_help = _IO[name]
@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction, name: str, **parser_kw) -> None:
 
 
 def handle(name: str, args: argparse.Namespace) -> dict:
-    from compress.stages.flags import config_from_args
+    from layercut.compress.stages.flags import config_from_args
 
     config = config_from_args(config_types()[name], args)
     env = RunEnv(progress=not args.json and not getattr(args, "quiet", False),
@@ -64,8 +64,8 @@ def handle(name: str, args: argparse.Namespace) -> dict:
 
 def present_eval(report: dict) -> dict:
     """eval's report as the CLI prints it: the model's figures at the top level; exit 3 on a failed gate."""
-    from compress.errors import GateFailed
-    from compress.gates import Gate
+    from layercut.compress.errors import GateFailed
+    from layercut.compress.gates import Gate
 
     flat = {**report["model"]}
     if report.get("baseline") is not None:

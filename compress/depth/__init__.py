@@ -2,8 +2,8 @@
 
 Usage::
 
-    from compress.depth import drop_blocks, drop_sublayers, linear_replace, fuse_blocks
-    from compress.depth.prune import prune     # the stage (``compress.depth.prune`` is the module)
+    from layercut.compress.depth import drop_blocks, drop_sublayers, linear_replace, fuse_blocks
+    from layercut.compress.depth.prune import prune     # the stage (``layercut.compress.depth.prune`` is the module)
     drop_blocks(model, [12, 13])                                  # in place, stock config
     pruned = drop_sublayers(model, [4, 7], "attention")           # needs trust_remote_code to reload
     linear_replace(model, [12, 13, 25], calib, method="lstsq")    # ReplaceMe, one map per span
@@ -20,18 +20,18 @@ import importlib
 
 # Loaded on first use, so `layercut --help` does not import transformers' model code.
 _EXPORTS = {
-    "drop_blocks": "compress.depth.blocks",
-    "cosine_map": "compress.depth.cores",
-    "laco_merge": "compress.depth.cores",
-    "lstsq_map": "compress.depth.cores",
-    "merge_map_into_down": "compress.depth.cores",
-    "apply_fuse": "compress.depth.fuse",
-    "fuse_blocks": "compress.depth.fuse",
-    "prune_model": "compress.depth.prune",
-    "fit_linear_maps": "compress.depth.replace",
-    "linear_replace": "compress.depth.replace",
-    "merge_maps": "compress.depth.replace",
-    "drop_sublayers": "compress.depth.sublayers",
+    "drop_blocks": "layercut.compress.depth.blocks",
+    "cosine_map": "layercut.compress.depth.cores",
+    "laco_merge": "layercut.compress.depth.cores",
+    "lstsq_map": "layercut.compress.depth.cores",
+    "merge_map_into_down": "layercut.compress.depth.cores",
+    "apply_fuse": "layercut.compress.depth.fuse",
+    "fuse_blocks": "layercut.compress.depth.fuse",
+    "prune_model": "layercut.compress.depth.prune",
+    "fit_linear_maps": "layercut.compress.depth.replace",
+    "linear_replace": "layercut.compress.depth.replace",
+    "merge_maps": "layercut.compress.depth.replace",
+    "drop_sublayers": "layercut.compress.depth.sublayers",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -39,4 +39,4 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'compress.depth' has no attribute '{name}'")
+    raise AttributeError(f"module 'layercut.compress.depth' has no attribute '{name}'")

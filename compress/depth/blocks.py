@@ -2,7 +2,7 @@
 
 Usage::
 
-    from compress.depth.blocks import drop_blocks
+    from layercut.compress.depth.blocks import drop_blocks
     drop_blocks(model, [12, 13, 14])          # in place; returns the model
     model.save_pretrained(out)                # loads in stock AutoModelForCausalLM
 
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from compress.arch import ArchSpec, arch_for
-from compress.errors import LayercutError
+from layercut.compress.arch import ArchSpec, arch_for
+from layercut.compress.errors import LayercutError
 
 COUNT_KEYS = ("max_window_layers",)  # per-layer settings stored as a count of leading layers
 

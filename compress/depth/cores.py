@@ -2,7 +2,7 @@
 
 Usage::
 
-    from compress.depth.cores import lstsq_map, cosine_map, merge_map_into_down, laco_merge
+    from layercut.compress.depth.cores import lstsq_map, cosine_map, merge_map_into_down, laco_merge
     T = lstsq_map(gram.xtx, gram.xty, alpha=1e-3)        # ReplaceMe closed form, [D, D]
     T = cosine_map(M, target, steps=300, lr=1e-4)          # ReplaceMe cosine variant
     down.weight.copy_(merge_map_into_down(down.weight, T)) # y -> y T folded into the weight

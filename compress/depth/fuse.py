@@ -2,7 +2,7 @@
 
 Usage::
 
-    from compress.depth.fuse import fuse_blocks
+    from layercut.compress.depth.fuse import fuse_blocks
     report = fuse_blocks(model, [12, 13, 14])                   # LaCo, c = 1, in place
     report = fuse_blocks(model, [12, 13, 14], calib=calib)      # c per matrix, fitted on data
 
@@ -33,12 +33,12 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from calibrate.capture import BlockRun, run_blocks
-from calibrate.data import CalibSet
-from compress.arch import ArchSpec, arch_for
-from compress.depth.blocks import check_block_drop_supported, drop_blocks, validate_layers
-from compress.depth.cores import laco_merge, runs_of
-from compress.errors import LayercutError
+from layercut.calibrate.capture import BlockRun, run_blocks
+from layercut.calibrate.data import CalibSet
+from layercut.compress.arch import ArchSpec, arch_for
+from layercut.compress.depth.blocks import check_block_drop_supported, drop_blocks, validate_layers
+from layercut.compress.depth.cores import laco_merge, runs_of
+from layercut.compress.errors import LayercutError
 
 
 @dataclass

@@ -2,10 +2,10 @@
 
 Usage::
 
-    from compress.depth.prune import prune
+    from layercut.compress.depth.prune import prune
     report = prune("bundled:smollm2-135m", "out/cut8", drop=8, select="block-influence", replace="lstsq")
 
-The stage itself (config, validation, report) is :mod:`compress.stages.prune`; this
+The stage itself (config, validation, report) is :mod:`layercut.compress.stages.prune`; this
 module holds the checks and the transform core it calls.
 
     layercut prune bundled:smollm2-135m -o out/cut8 --drop 8 --select block-influence --replace lstsq
@@ -13,7 +13,7 @@ module holds the checks and the transform core it calls.
     layercut prune MODEL -o OUT --drop 8 --what attention --select gate-norm
 
 Every argument is validated before any work, and the output directory appears only when
-complete (``export.checkpoint.atomic_dir``). Besides the weights it holds
+complete (``layercut.export.checkpoint.atomic_dir``). Besides the weights it holds
 ``layercut_prune.json``: which layers (old numbering), how they were chosen (with the
 scores), the transform and its per-span fit statistics.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from torch import nn
 
-from compress.errors import LayercutError
+from layercut.compress.errors import LayercutError
 
 PRUNE_VERSION = 1
 WHATS = ("block", "attention", "mlp")
@@ -89,10 +89,10 @@ def check_request(
 
 def check_against_model(model: nn.Module, what: str, count: int, layers: list[int] | None, replace: str) -> int:
     """Checks that need the model; returns its layer count."""
-    from compress.arch import arch_for
-    from compress.depth.blocks import check_block_drop_supported, validate_layers
-    from compress.depth.replace import check_replace_supported
-    from compress.depth.sublayers import sublayer_family
+    from layercut.compress.arch import arch_for
+    from layercut.compress.depth.blocks import check_block_drop_supported, validate_layers
+    from layercut.compress.depth.replace import check_replace_supported
+    from layercut.compress.depth.sublayers import sublayer_family
 
     num_layers = len(arch_for(model).layers_of(model))
     if count >= num_layers:
@@ -132,10 +132,10 @@ def choose_layers(model, model_dir: Path | None, what: str, drop: int, select: s
     ``keep_first``: never choose block 0 (linear replacement folds each map into the block
     before its span).
     """
-    from compress.select import compute_scores, select_blocks, select_sublayers
+    from layercut.compress.select import compute_scores, select_blocks, select_sublayers
 
     if select == "gate-norm":  # from the files when there are files, else from the weights in memory
-        from compress.select import gate_norm_from_model, gate_norm_scores
+        from layercut.compress.select import gate_norm_from_model, gate_norm_scores
 
         scores = gate_norm_scores(model_dir) if model_dir is not None else gate_norm_from_model(model)
         source = model_dir if model_dir is not None else model
@@ -163,10 +163,10 @@ def _params(model: nn.Module) -> int:
 def prune_model(model: nn.Module, layers: list[int], what: str = "block", replace: str = "none", fuse: bool = False,
                 calib=None, batch_size: int = 8, progress: bool = True, **replace_kwargs) -> tuple[nn.Module, dict]:
     """Apply one depth transform; returns (model, details). Block transforms work in place."""
-    from compress.depth.blocks import drop_blocks
-    from compress.depth.fuse import fuse_blocks
-    from compress.depth.replace import linear_replace
-    from compress.depth.sublayers import drop_sublayers
+    from layercut.compress.depth.blocks import drop_blocks
+    from layercut.compress.depth.fuse import fuse_blocks
+    from layercut.compress.depth.replace import linear_replace
+    from layercut.compress.depth.sublayers import drop_sublayers
 
     if what != "block":
         return drop_sublayers(model, layers, what), {}
@@ -184,14 +184,14 @@ def prune(model_spec: str, output: str | Path, *, overwrite: bool = False, progr
           **options) -> dict:
     """Load ``model_spec``, prune it, write a checkpoint to ``output``; return a report.
 
-    ``options`` are :class:`compress.stages.prune.PruneConfig`'s (``drop``, ``select``,
-    ``layers``, ``replace``, ...); this is :func:`compress.stages.prune.run` with keywords.
+    ``options`` are :class:`layercut.compress.stages.prune.PruneConfig`'s (``drop``, ``select``,
+    ``layers``, ``replace``, ...); this is :func:`layercut.compress.stages.prune.run` with keywords.
     """
     from pydantic import ValidationError
 
-    from compress.stages.base import RunEnv
-    from compress.stages.flags import format_error
-    from compress.stages.prune import PruneConfig, run
+    from layercut.compress.stages.base import RunEnv
+    from layercut.compress.stages.flags import format_error
+    from layercut.compress.stages.prune import PruneConfig, run
 
     try:
         config = PruneConfig(**options)

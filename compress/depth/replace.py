@@ -2,7 +2,7 @@
 
 Usage::
 
-    from compress.depth.replace import linear_replace
+    from layercut.compress.depth.replace import linear_replace
     fits = linear_replace(model, [12, 13, 14, 15, 16, 17, 25, 26], calib, method="lstsq")
     # model is now 8 blocks shorter; blocks 11 and 24 carry the maps in their down_proj
     [f.to_dict() for f in fits]        # per span: tokens, relative error of drop vs map
@@ -30,7 +30,7 @@ lstsq 178. Even the output objective only ties plain drop on block influence's s
 span 12–17, where plain drop leaves a relative squared error of only 0.004, the cosine map
 raises it to 0.017. Prefer ``lstsq``.
 
-Every span gets its own map, all in ONE pass of :func:`calibrate.capture.run_blocks`;
+Every span gets its own map, all in ONE pass of :func:`layercut.calibrate.capture.run_blocks`;
 M and Y are held from block i until block i+n's output arrives (2 activation sets per open
 span). ``stream="original"`` fits every map on the unmodified model's activations;
 ``stream="sequential"`` (the default) hands Y + M T on as the stream after each span, so
@@ -49,12 +49,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from calibrate.capture import BlockRun, run_blocks
-from calibrate.data import CalibSet
-from calibrate.stats import GramStats
-from compress.arch import ArchSpec, arch_for, get_submodule
-from compress.depth.blocks import check_block_drop_supported, drop_blocks, validate_layers
-from compress.depth.cores import (
+from layercut.calibrate.capture import BlockRun, run_blocks
+from layercut.calibrate.data import CalibSet
+from layercut.calibrate.stats import GramStats
+from layercut.compress.arch import ArchSpec, arch_for, get_submodule
+from layercut.compress.depth.blocks import check_block_drop_supported, drop_blocks, validate_layers
+from layercut.compress.depth.cores import (
     cosine_map,
     lstsq_map,
     mean_cosine_loss,
@@ -62,7 +62,7 @@ from compress.depth.cores import (
     merge_map_into_down,
     runs_of,
 )
-from compress.errors import LayercutError
+from layercut.compress.errors import LayercutError
 
 METHODS = ("lstsq", "cosine")
 STREAMS = ("original", "sequential")

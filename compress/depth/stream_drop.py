@@ -2,15 +2,15 @@
 
 Usage::
 
-    from compress.depth.stream_drop import drop_blocks_streamed
+    from layercut.compress.depth.stream_drop import drop_blocks_streamed
     drop_blocks_streamed("src-ckpt", "out-ckpt", [12, 13, 14])
 
-The same result as :func:`compress.depth.blocks.drop_blocks` followed by ``save_pretrained``
+The same result as :func:`layercut.compress.depth.blocks.drop_blocks` followed by ``save_pretrained``
 (the tensors of the kept blocks, renumbered, and the trimmed config), but the source is
-only read tensor by tensor through :class:`compress.lazy.TensorIndex` and written through
-:class:`export.shards.ShardWriter`: peak memory is one output shard, whatever the model's
+only read tensor by tensor through :class:`layercut.compress.lazy.TensorIndex` and written through
+:class:`layercut.export.shards.ShardWriter`: peak memory is one output shard, whatever the model's
 size. Tensors keep their stored dtype. The output appears under ``out`` only when
-complete (:func:`export.checkpoint.atomic_dir`).
+complete (:func:`layercut.export.checkpoint.atomic_dir`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from compress.depth.blocks import check_block_drop_supported, trim_config, validate_layers
-from compress.errors import LayercutError
-from compress.lazy import LazyModel
+from layercut.compress.depth.blocks import check_block_drop_supported, trim_config, validate_layers
+from layercut.compress.errors import LayercutError
+from layercut.compress.lazy import LazyModel
 
 WEIGHT_FILES = (".safetensors",)
 SKIP_FILES = {"config.json", "model.safetensors.index.json"}
@@ -40,7 +40,7 @@ def drop_blocks_streamed(
     trust_remote_code: bool = False,
 ) -> dict:
     """Write ``source`` without decoder blocks ``layers`` (old indices) to ``output``; return a summary."""
-    from export.checkpoint import atomic_dir
+    from layercut.export.checkpoint import atomic_dir
 
     lazy = LazyModel(source, trust_remote_code=trust_remote_code)
     with atomic_dir(output, overwrite) as tmp:
@@ -59,7 +59,7 @@ def write_without_blocks(
     ``edits`` maps parameter names (old numbering) to a function of the stored tensor that
     gives the tensor to write instead (e.g. a linear map folded into a kept block).
     """
-    from export.shards import ShardWriter
+    from layercut.export.shards import ShardWriter
 
     num = lazy.num_blocks
     drop = set(validate_layers(layers, num)) if layers else set()  # none: a plain streamed copy (export)
@@ -104,8 +104,8 @@ def write_without_blocks(
 
 def map_edits(lazy: LazyModel, fits: Sequence) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Fold each fitted span map into its anchor block's down projection, as tensor edits."""
-    from compress.arch import get_submodule
-    from compress.depth.cores import merge_map_into_bias, merge_map_into_down
+    from layercut.compress.arch import get_submodule
+    from layercut.compress.depth.cores import merge_map_into_bias, merge_map_into_down
 
     spec = lazy.spec
     edits: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
@@ -128,13 +128,13 @@ def replace_streamed(
     trust_remote_code: bool = False,
     **fit_kwargs,
 ) -> tuple[dict, list]:
-    """Linear replacement (:func:`compress.depth.replace.linear_replace`) with one block in memory.
+    """Linear replacement (:func:`layercut.compress.depth.replace.linear_replace`) with one block in memory.
 
     The maps are fitted over the capture driver on a lazily loaded model, then folded into
     each anchor block's down projection while the checkpoint is copied tensor by tensor.
     """
-    from compress.depth.replace import fit_linear_maps
-    from export.checkpoint import atomic_dir
+    from layercut.compress.depth.replace import fit_linear_maps
+    from layercut.export.checkpoint import atomic_dir
 
     lazy = LazyModel(source, trust_remote_code=trust_remote_code)
     fits = fit_linear_maps(lazy.model, layers, calib, **fit_kwargs)

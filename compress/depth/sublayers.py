@@ -2,7 +2,7 @@
 
 Usage::
 
-    from compress.depth.sublayers import drop_sublayers, sublayer_readme
+    from layercut.compress.depth.sublayers import drop_sublayers, sublayer_readme
     pruned = drop_sublayers(model, [4, 7, 9], what="attention")   # a new model sharing tensors
     pruned.save_pretrained(out)      # writes config (auto_map) + weights + modeling_layercut.py
     AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
@@ -24,9 +24,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from compress.depth.blocks import validate_layers
-from compress.depth.templates import modeling_layercut as template
-from compress.errors import LayercutError
+from layercut.compress.depth.blocks import validate_layers
+from layercut.compress.depth.templates import modeling_layercut as template
+from layercut.compress.errors import LayercutError
 
 SUBLAYER_FAMILIES = tuple(template.FAMILIES)
 _KEYS = {"attention": "layercut_drop_attention", "mlp": "layercut_drop_mlp"}

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m compress.kernels.build --out build/kernels         # compile (no GPU needed)
+    python -m layercut.compress.kernels.build --out build/kernels         # compile (no GPU needed)
     LAYERCUT_KERNEL_LIB=build/kernels/liblayercut_kernels.so ...  # use a prebuilt library
 
 Why not a torch C++/CUDA extension: building one needs a CUDA build of torch, and CI (and the
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from compress.errors import LayercutError
+from layercut.compress.errors import LayercutError
 
 CSRC = Path(__file__).parent / "csrc"
 LIB_NAME = "liblayercut_kernels.so"

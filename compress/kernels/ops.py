@@ -2,7 +2,7 @@
 
 Usage::
 
-    import compress.kernels.ops  # registers the op (imports neither triton nor CUDA)
+    import layercut.compress.kernels.ops  # registers the op (imports neither triton nor CUDA)
     y = torch.ops.layercut.gptq_matmul(x, qweight, qzeros, scales, g_idx, 4, 128)
     ops.last_kernel()            # "cuda_gemv" | "triton" | "cuda_dequant_matmul" | "reference"
 
@@ -46,8 +46,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from compress.errors import LayercutError
-from compress.quant.pack import SUPPORTED_BITS, dequantize_gptq, packed_rows
+from layercut.compress.errors import LayercutError
+from layercut.compress.quant.pack import SUPPORTED_BITS, dequantize_gptq, packed_rows
 
 ACT_ORDER = 0  # group_size value meaning "read g_idx per input"
 MODES = ("reference", "triton", "cuda")  # values of $LAYERCUT_KERNELS (besides unset / "auto")
@@ -68,7 +68,7 @@ def _cuda_library_available() -> bool:
     """Whether the CUDA C library can be loaded or built here (no build, no CUDA touched)."""
     if os.environ.get("LAYERCUT_KERNEL_LIB"):
         return True
-    from compress.kernels.build import find_nvcc
+    from layercut.compress.kernels.build import find_nvcc
 
     return find_nvcc() is not None
 
@@ -266,7 +266,7 @@ def triton_module() -> ModuleType:
         if mod is None:
             if not triton_available():
                 raise LayercutError(_unavailable(TRITON))
-            name = "compress.kernels.triton_gptq" + ("_interpreted" if interpret else "")
+            name = "layercut.compress.kernels.triton_gptq" + ("_interpreted" if interpret else "")
             spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("triton_gptq.py"))
             mod = importlib.util.module_from_spec(spec)
             sys.modules[name] = mod  # dataclasses and inspect look the module up by name
@@ -367,7 +367,7 @@ def _run(
     if spec is TRITON:
         y = triton_module().gptq_matmul(x2, qweight, qzeros, scales, g_idx, bits, group_size)
         return y.reshape(*x.shape[:-1], out_features)
-    from compress.kernels.build import load_library  # first use builds/loads the library
+    from layercut.compress.kernels.build import load_library  # first use builds/loads the library
 
     lib = load_library()
     # the kernels read int32 words, fp16 scales and int32 g_idx (the checkpoint dtypes), with

@@ -5,7 +5,7 @@ Usage (normally through the op, which picks this module per call)::
     LAYERCUT_KERNELS=triton python ...                  # GPU: force the Triton kernels
     TRITON_INTERPRET=1 python -m pytest tests/test_triton.py   # CPU: the same kernels, interpreted
 
-    from compress.kernels import ops
+    from layercut.compress.kernels import ops
     y = torch.ops.layercut.gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, group_size)
     ops.last_kernel()  # "triton"
 
@@ -66,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compress.errors import LayercutError
+from layercut.compress.errors import LayercutError
 
 _KNOBS = getattr(triton, "knobs", None)  # triton >= 3.4; older ones read the environment directly
 INTERPRET = (  # fixed when this module was loaded

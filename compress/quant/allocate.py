@@ -2,7 +2,7 @@
 
 Run it on a sensitivity table::
 
-    from compress.quant.allocate import Unit, allocate_bits, plot_allocation, uniform_avg_bits
+    from layercut.compress.quant.allocate import Unit, allocate_bits, plot_allocation, uniform_avg_bits
     units = [Unit("model.layers.0.qkv", n_weights=n0, n_rows=r0, in_features=(576,),
                   delta={(3, 64): 0.9, (3, -1): 1.4, (4, 64): 0.2, (8, -1): 0.0}), ...]
     budget = uniform_avg_bits(units, (4, 64))          # same size as uniform 4-bit g64
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from compress.errors import LayercutError
+from layercut.compress.errors import LayercutError
 
 _BUDGET_RTOL = 1e-12
 

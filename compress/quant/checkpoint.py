@@ -2,13 +2,13 @@
 
 Usage::
 
-    from compress.quant.checkpoint import save_quantized
+    from layercut.compress.quant.checkpoint import save_quantized
     result = quantize_model(model, calib, QuantConfig(bits=4, group_size=64))
     save_quantized(model, tokenizer, result, "out/q4")
 
 Layout: every quantized linear ``NAME`` is stored as ``NAME.qweight`` / ``.qzeros`` /
 ``.scales`` (fp16) / ``.g_idx`` (+ ``.bias`` in fp16), exactly as
-:func:`compress.quant.pack.pack_gptq` packs it; every other tensor (embeddings, norms,
+:func:`layercut.compress.quant.pack.pack_gptq` packs it; every other tensor (embeddings, norms,
 an untied head) in ``dtype`` (default float16, the GPTQ convention); tied copies are not
 stored. Shards ``model-0000i-of-0000n.safetensors`` with metadata ``{"format": "pt"}``
 and ``model.safetensors.index.json`` (also for one shard), written atomically.
@@ -44,10 +44,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from compress.arch import arch_for
-from compress.errors import LayercutError
-from compress.quant.stage import QuantizeResult, target_linears
-from export.checkpoint import atomic_dir
+from layercut.compress.arch import arch_for
+from layercut.compress.errors import LayercutError
+from layercut.compress.quant.stage import QuantizeResult, target_linears
+from layercut.export.checkpoint import atomic_dir
 
 INDEX = "model.safetensors.index.json"
 # meta.quantizer: who wrote it, and whose v1 packing convention it follows. GPTQModel refuses
@@ -262,7 +262,7 @@ def save_quantized(
     overwrite: bool = False,
     extra_files: Mapping[str, str | bytes] | None = None,
 ) -> Path:
-    """Write ``model`` (after :func:`~compress.quant.stage.quantize_model`) as a GPTQ v1
+    """Write ``model`` (after :func:`~layercut.compress.quant.stage.quantize_model`) as a GPTQ v1
     checkpoint at ``path``, atomically (nothing appears under ``path`` on failure)."""
     with atomic_dir(path, overwrite) as tmp:
         write_quantized_into(model, tokenizer, result, tmp, dtype, max_shard_size, extra_files)

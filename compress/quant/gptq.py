@@ -2,7 +2,7 @@
 
 Run it on any weight and Hessian::
 
-    from compress.quant.gptq import gptq_quantize, hessian_update
+    from layercut.compress.quant.gptq import gptq_quantize, hessian_update
     H, n = hessian_update(None, 0, x)            # x: [tokens, in] layer inputs
     res = gptq_quantize(linear.weight, H, bits=4, group_size=128)
     linear.weight.data = res.dequant.to(linear.weight.dtype)
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from compress.errors import LayercutError
+from layercut.compress.errors import LayercutError
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 _DAMP_TRIES = 5  # damp, 10·damp, 100·damp, ... before giving up

@@ -2,13 +2,13 @@
 
 Usage::
 
-    from compress.quant.loader import load_quantized
+    from layercut.compress.quant.loader import load_quantized
     model = load_quantized("out/q4", dtype=torch.float32, device="cpu")
-    # or simply compress.models.load_model("out/q4"), which routes here
+    # or simply layercut.compress.models.load_model("out/q4"), which routes here
 
 The model is built with its parameters on the meta device (buffers such as rotary
 frequencies are computed normally), every linear that has a ``.qweight`` in the
-checkpoint is swapped for a :class:`~compress.quant.qlinear.QuantLinear` whose bits and
+checkpoint is swapped for a :class:`~layercut.compress.quant.qlinear.QuantLinear` whose bits and
 group size come from ``quantization_config`` and its ``dynamic`` overrides (GPTQModel's
 rule: first matching regex wins, ``-:`` means "not quantized"), the safetensors are read
 one tensor at a time and assigned (``load_state_dict(assign=True)``), and tied weights are
@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compress.errors import LayercutError
-from compress.quant.checkpoint import INDEX, resolve_dynamic
-from compress.quant.pack import SUPPORTED_BITS, packed_rows
-from compress.quant.qlinear import QuantLinear
+from layercut.compress.errors import LayercutError
+from layercut.compress.quant.checkpoint import INDEX, resolve_dynamic
+from layercut.compress.quant.pack import SUPPORTED_BITS, packed_rows
+from layercut.compress.quant.qlinear import QuantLinear
 
 
 def _weight_files(path: Path) -> list[Path]:

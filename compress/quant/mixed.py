@@ -2,7 +2,7 @@
 
 Run it (what ``layercut quantize --avg-bits X`` does between sensitivity and writing)::
 
-    from compress.quant.mixed import resolve_candidates, fallback_check
+    from layercut.compress.quant.mixed import resolve_candidates, fallback_check
     units = allocation_units(model, "group")
     cands, baseline = resolve_candidates(units, 3.5, None)          # default set; baseline (3, 64)
     ...                                                               # sensitivity, allocate_bits
@@ -23,14 +23,14 @@ unit must be able to take it). With the default set one always exists once the b
 covers the cheapest allocation; with a user's list it may not, which is an error while
 the fallback check is on.
 
-**Fallback check** (DESIGN.md, bit allocation: "fall back to uniform when it does not win
-on calibration KL"): the mixed plan and the uniform baseline are both quantized, and the
+**Fallback check** (fall back to uniform when the mixed plan does not win on calibration
+KL): the mixed plan and the uniform baseline are both quantized, and the
 mean KL(p_fp ‖ p_q) over the non-pad tokens of a held-apart set of calibration sequences
 decides which is written. Only the target linears change between the three models, so
 one model is kept and its linear weights are swapped per micro-batch (float copy kept,
 quantized ones decoded from their packed tensors): memory is one extra copy of the
 linear weights, and the forwards run on the model's own device. A streamed model (one block in
-memory) runs the same check in :mod:`compress.quant.mixed_stream` instead.
+memory) runs the same check in :mod:`layercut.compress.quant.mixed_stream` instead.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from calibrate.data import CalibSet
-from compress.arch import arch_for
-from compress.errors import LayercutError
-from compress.quant.allocate import (
+from layercut.calibrate.data import CalibSet
+from layercut.compress.arch import arch_for
+from layercut.compress.errors import LayercutError
+from layercut.compress.quant.allocate import (
     DEFAULT_CANDIDATES,
     LOW_BUDGET_CANDIDATES,
     TWO_BIT_CANDIDATES,
@@ -55,8 +55,8 @@ from compress.quant.allocate import (
     _order,
     candidate_label,
 )
-from compress.quant.pack import dequantize_gptq
-from compress.quant.stage import (
+from layercut.compress.quant.pack import dequantize_gptq
+from layercut.compress.quant.stage import (
     QuantConfig,
     QuantizeResult,
     linear_weight,
@@ -124,11 +124,11 @@ def held_apart(tokenizer, sources, samples: int, seq_len: int, seed: int, calib_
     seq_len, seed)``; (the set, how it was drawn).
 
     Calibration windows all lie in the first max((N + 1)·L·4 + L, 2¹⁶) tokens of each
-    source's stream (:func:`calibrate.data.calibration_batch`), so these are drawn after that
+    source's stream (:func:`layercut.calibrate.data.calibration_batch`), so these are drawn after that
     offset. A text too short for it gets windows re-drawn with ``seed + 1`` instead (they may
     overlap calibration windows; the report says so).
     """
-    from calibrate.data import calibration_batch
+    from layercut.calibrate.data import calibration_batch
 
     offset = max((calib_samples + 1) * seq_len * 4 + seq_len, 1 << 16)
     try:

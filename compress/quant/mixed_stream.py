@@ -7,7 +7,7 @@ Used by ``layercut quantize MODEL --avg-bits X`` on a streamed (lazily loaded) m
     verdict, kept = outputs.fallback_check(calib, held, cfg, result, uniform_plan)
     outputs.keep(verdict.keep)            # the kept checkpoint's files move up into tmp_dir
 
-The sensitivity pass (:func:`compress.quant.sensitivity.measure_sensitivity`, measures
+The sensitivity pass (:func:`layercut.compress.quant.sensitivity.measure_sensitivity`, measures
 ``loss`` / ``output``) already runs on the capture driver, so it streams as it is. The
 mixed plan is quantized block by block into ``<folder>/.mixed``; with the fallback check the
 uniform baseline is quantized the same way into ``<folder>/.uniform``, from the source's own
@@ -29,13 +29,19 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from calibrate.capture import BlockRun, first_tensor, run_blocks
-from calibrate.data import CalibSet
-from compress.lazy import LazyModel, TensorIndex
-from compress.quant.mixed import FallbackVerdict
-from compress.quant.pack import dequantize_gptq
-from compress.quant.stage import QuantConfig, QuantizeResult, linear_weight, quantize_model, set_weight
-from compress.quant.stream import write_block_fn, write_rest
+from layercut.calibrate.capture import BlockRun, first_tensor, run_blocks
+from layercut.calibrate.data import CalibSet
+from layercut.compress.lazy import LazyModel, TensorIndex
+from layercut.compress.quant.mixed import FallbackVerdict
+from layercut.compress.quant.pack import dequantize_gptq
+from layercut.compress.quant.stage import (
+    QuantConfig,
+    QuantizeResult,
+    linear_weight,
+    quantize_model,
+    set_weight,
+)
+from layercut.compress.quant.stream import write_block_fn, write_rest
 
 POSITIONS = 128  # positions per head slice: [128, V] log-probs at a time
 
@@ -51,7 +57,7 @@ class StreamedOutputs:
 
     def block_writer(self, kind: str) -> Callable[[BlockRun, QuantizeResult], None]:
         """The ``after_block`` callback that writes ``kind``'s quantized blocks into ``.kind``."""
-        from export.shards import ShardWriter
+        from layercut.export.shards import ShardWriter
 
         sub = self.folder / f".{kind}"
         sub.mkdir()
@@ -107,7 +113,7 @@ def streamed_kl(lazy: LazyModel, check: CalibSet, variants: Mapping[str, tuple[P
                 batch_size: int = 8, device: str | torch.device | None = None,
                 progress: bool = True) -> tuple[dict[str, float], int]:
     """Mean over non-pad tokens of KL(p_source ‖ p_variant) for each written variant; (kls, tokens)."""
-    from compress.stream_eval import head_logprobs
+    from layercut.compress.stream_eval import head_logprobs
 
     spec = lazy.spec
     indexes = {k: TensorIndex(path) for k, (path, _) in variants.items()}

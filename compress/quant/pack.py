@@ -2,7 +2,7 @@
 
 Usage::
 
-    from compress.quant.pack import pack_gptq, dequantize_gptq
+    from layercut.compress.quant.pack import pack_gptq, dequantize_gptq
     t = pack_gptq(q, zeros, scales, g_idx, bits=4)   # q: [out, in], zeros/scales: [groups, out]
     W = dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits=4)  # [out, in]
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from compress.errors import LayercutError
+from layercut.compress.errors import LayercutError
 
 SLICE_ELEMENTS = 1 << 22  # qweight is packed in slices of output columns of about this many codes
 

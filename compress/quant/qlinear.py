@@ -2,10 +2,10 @@
 
 Usage::
 
-    from compress.quant.qlinear import QuantLinear
+    from layercut.compress.quant.qlinear import QuantLinear
     ql = QuantLinear.from_dense(linear, q, zeros, scales, g_idx, bits=4, group_size=128)
     y = ql(x)                        # torch.ops.layercut.gptq_matmul (kernel chosen per call, see
-                                     # compress.kernels.ops: CUDA C / Triton on GPU, reference on CPU)
+                                     # layercut.compress.kernels.ops: CUDA C / Triton on GPU, reference on CPU)
     ql.state_dict().keys()           # qweight, qzeros, scales, g_idx[, bias] -- GPTQ safetensors names
 
 An empty layer (``QuantLinear(in_features, out_features, bits, group_size, bias=...)``) has
@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from compress.errors import LayercutError
-from compress.kernels import ops  # registers torch.ops.layercut.gptq_matmul
-from compress.kernels.ops import ACT_ORDER
-from compress.quant.pack import SUPPORTED_BITS, dequantize_gptq, pack_gptq, packed_rows
+from layercut.compress.errors import LayercutError
+from layercut.compress.kernels import ops  # registers torch.ops.layercut.gptq_matmul
+from layercut.compress.kernels.ops import ACT_ORDER
+from layercut.compress.quant.pack import SUPPORTED_BITS, dequantize_gptq, pack_gptq, packed_rows
 
 
 class QuantLinear(nn.Module):

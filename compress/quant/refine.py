@@ -31,8 +31,8 @@ from dataclasses import dataclass, field, replace
 
 from torch import Tensor
 
-from compress.quant.allocate import Allocation, Candidate, Unit, allocate_bits, candidate_label
-from compress.quant.stage import QuantConfig, QuantizeResult, solve_group
+from layercut.compress.quant.allocate import Allocation, Candidate, Unit, allocate_bits, candidate_label
+from layercut.compress.quant.stage import QuantConfig, QuantizeResult, solve_group
 
 
 def neighbours(unit: Unit, choice: Candidate, cands: Sequence[Candidate]) -> list[Candidate]:
@@ -46,7 +46,7 @@ def neighbours(unit: Unit, choice: Candidate, cands: Sequence[Candidate]) -> lis
 class Refiner:
     """Collects the neighbours' losses during the quantize pass of the chosen allocation."""
 
-    units: Sequence  # compress.quant.sensitivity.AllocUnit, in forward order
+    units: Sequence  # layercut.compress.quant.sensitivity.AllocUnit, in forward order
     table: Sequence[Unit]  # the first table (the one ``alloc`` was solved on)
     alloc: Allocation
     cands: Sequence[Candidate]

@@ -2,34 +2,34 @@
 
 Usage::
 
-    from compress.quant.run import quantize_checkpoint
+    from layercut.compress.quant.run import quantize_checkpoint
     quantize_checkpoint("bundled:smollm2-135m", "out/q4", bits=4, group_size=64)
     quantize_checkpoint("bundled:smollm2-135m", "out/mix", avg_bits=3.5, candidates=[2, 3, 4, 8])
 
 or ``layercut quantize MODEL -o OUT (--bits B | --avg-bits X) ...``. The options and the
-stage itself are :mod:`compress.stages.quantize`'s (``QuantizeConfig``, ``run``).
+stage itself are :mod:`layercut.compress.stages.quantize`'s (``QuantizeConfig``, ``run``).
 """
 
 from __future__ import annotations
 
 import os
 
-from compress.errors import LayercutError
+from layercut.compress.errors import LayercutError
 
 
 def quantize_checkpoint(model: str | os.PathLike, output: str | os.PathLike, *, overwrite: bool = False,
                         progress: bool = True, **options) -> dict:
     """Quantize ``model`` (dir, .gguf or bundled:NAME) into a GPTQ v1 checkpoint at ``output``.
 
-    ``options`` are :class:`compress.stages.quantize.QuantizeConfig`'s: exactly one of
+    ``options`` are :class:`layercut.compress.stages.quantize.QuantizeConfig`'s: exactly one of
     ``bits`` (uniform) or ``avg_bits`` (allocated, overhead included), ``group_size``, ...
     Returns a JSON-able report (achieved average bits, per-unit bits, timings).
     """
     from pydantic import ValidationError
 
-    from compress.stages.base import RunEnv
-    from compress.stages.flags import format_error
-    from compress.stages.quantize import QuantizeConfig, run
+    from layercut.compress.stages.base import RunEnv
+    from layercut.compress.stages.flags import format_error
+    from layercut.compress.stages.quantize import QuantizeConfig, run
 
     if isinstance(options.get("candidates"), tuple):
         options["candidates"] = list(options["candidates"])

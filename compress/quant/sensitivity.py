@@ -2,7 +2,7 @@
 
 Run it::
 
-    from compress.quant.sensitivity import allocation_units, measure_sensitivity
+    from layercut.compress.quant.sensitivity import allocation_units, measure_sensitivity
     units = allocation_units(model, "group")                 # qkv / o / gate_up / down; or "layer"
     table = measure_sensitivity(model, calib, units, [(3, 64), (4, -1), (8, -1)], QuantConfig())
     table.delta["model.layers.3.down"][(3, 64)]              # Δ of layer 3's down_proj at 3-bit g64
@@ -43,13 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from calibrate.capture import BlockRun, run_blocks
-from calibrate.data import CalibSet
-from compress.arch import arch_for
-from compress.errors import LayercutError
-from compress.quant.allocate import Unit, candidate_label, require_fitting
-from compress.quant.gptq import SUPPORTED_BITS
-from compress.quant.stage import (
+from layercut.calibrate.capture import BlockRun, run_blocks
+from layercut.calibrate.data import CalibSet
+from layercut.compress.arch import arch_for
+from layercut.compress.errors import LayercutError
+from layercut.compress.quant.allocate import Unit, candidate_label, require_fitting
+from layercut.compress.quant.gptq import SUPPORTED_BITS
+from layercut.compress.quant.stage import (
     GROUP_LABELS,
     HessianSet,
     QuantConfig,
@@ -80,7 +80,7 @@ class AllocUnit:
         return group_size == -1 or all(k % group_size == 0 for k in self.in_features)
 
     def to_unit(self, delta: dict, group_size: int = -1) -> Unit:
-        """The allocator's :class:`~compress.quant.allocate.Unit` with sensitivities ``delta``
+        """The allocator's :class:`~layercut.compress.quant.allocate.Unit` with sensitivities ``delta``
         (keyed by (bits, group size), or by bits at ``group_size``)."""
         return Unit(self.name, self.n_weights, delta, n_groups=self.n_rows if group_size == -1 else None,
                     n_rows=self.n_rows, in_features=self.in_features)

@@ -2,7 +2,7 @@
 
 Run it::
 
-    from compress.quant.stage import QuantConfig, quantize_model
+    from layercut.compress.quant.stage import QuantConfig, quantize_model
     cfg = QuantConfig(bits=4, group_size=64)                    # asym, GPTQ, damp 0.01
     result = quantize_model(model, calib, cfg, bits={"model.layers.3.mlp.down_proj": 8})
     result = quantize_model(model, calib, cfg, bits={"model.layers.3.mlp.down_proj": (3, -1)})  # (bits, gs)
@@ -10,10 +10,10 @@ Run it::
 
 or ``layercut quantize MODEL -o OUT --bits 4`` (the stage: compress/stages/quantize.py).
 
-Each decoder block's turn in :func:`calibrate.capture.run_blocks`: hooks on the first
+Each decoder block's turn in :func:`layercut.calibrate.capture.run_blocks`: hooks on the first
 linear of each fused group ({q,k,v}, o, {gate,up}, down — they share an input) fold
 the masked inputs into one Hessian H = 2/N Σ x xᵀ per group, every linear of the group
-is quantized with :func:`compress.quant.gptq.gptq_quantize`, its weight is replaced *in
+is quantized with :func:`layercut.compress.quant.gptq.gptq_quantize`, its weight is replaced *in
 place* by the dequantized weight (so the model stays a plain, fast model whose forward
 is exactly what a checkpoint decodes to), and ``run.invalidate()`` makes the next block
 see the quantized block's outputs (Frantar et al. 2022, §4 "sequential").
@@ -37,13 +37,19 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor, nn
 
-from calibrate.capture import BlockRun, run_blocks
-from calibrate.data import CalibSet
-from compress.arch import ArchSpec, arch_for, get_submodule
-from compress.errors import LayercutError
-from compress.lazy import _trim_heap
-from compress.quant.gptq import SUPPORTED_BITS, QuantResult, gptq_quantize, hessian_update, rtn_quantize
-from compress.quant.pack import pack_gptq
+from layercut.calibrate.capture import BlockRun, run_blocks
+from layercut.calibrate.data import CalibSet
+from layercut.compress.arch import ArchSpec, arch_for, get_submodule
+from layercut.compress.errors import LayercutError
+from layercut.compress.lazy import _trim_heap
+from layercut.compress.quant.gptq import (
+    SUPPORTED_BITS,
+    QuantResult,
+    gptq_quantize,
+    hessian_update,
+    rtn_quantize,
+)
+from layercut.compress.quant.pack import pack_gptq
 
 METHODS = ("gptq", "rtn")
 SEQUENTIAL = {"block": ((0, 1, 2, 3),), "sublayer": ((0, 1), (2, 3)), "linear": ((0,), (1,), (2,), (3,))}
@@ -96,7 +102,7 @@ class QuantizedLinear:
     group_size: int
     in_features: int
     out_features: int
-    tensors: dict[str, Tensor]  # qweight, qzeros, scales (fp16), g_idx (see compress.quant.pack)
+    tensors: dict[str, Tensor]  # qweight, qzeros, scales (fp16), g_idx (see layercut.compress.quant.pack)
     loss: float  # ½ tr(ΔW H ΔWᵀ), the layer's output error on calibration inputs (NaN for RTN)
     damp_used: float
     stored_bits: int = 0  # bits of qweight, qzeros and scales (kept when a streamed run frees the tensors)
@@ -398,11 +404,11 @@ def quantize_model(
     ``cfg.group_size``). Fused projections must share one pair. ``calib`` [N, L] tokens drive the Hessians (not needed for
     RTN). ``device``: where each block runs and is solved (e.g. ``"cuda"``; default: the
     model's device). Returns the packed tensors of each linear for
-    :func:`compress.quant.checkpoint.save_quantized`. ``after_block(run)`` is called once
+    :func:`layercut.compress.quant.checkpoint.save_quantized`. ``after_block(run)`` is called once
     each block is quantized (GPTQ and RTN): a streamed run writes the block there and frees
     its packed tensors from ``result``. ``probe(names, Ws, H)`` (GPTQ only) sees each fused
     group's float weights and Hessian just before their solve and must leave both unchanged
-    (:mod:`compress.quant.refine` re-solves other candidates there).
+    (:mod:`layercut.compress.quant.refine` re-solves other candidates there).
     """
     targets = check_model(model, cfg, bits)
     plan = linear_plan(cfg, bits, [name for _, _, name, _ in targets])
@@ -461,7 +467,7 @@ def _rtn_blocks(model, targets, plan, cfg: QuantConfig, spec: ArchSpec, result: 
 
     from tqdm.auto import tqdm
 
-    from compress.lazy import lazy_of
+    from layercut.compress.lazy import lazy_of
 
     lazy = lazy_of(model)
     by_block: dict[int, list[tuple[str, nn.Module]]] = {}
@@ -489,9 +495,9 @@ def _rtn_blocks(model, targets, plan, cfg: QuantConfig, spec: ArchSpec, result: 
 
 
 def to_quant_linears(model: nn.Module, result: QuantizeResult) -> nn.Module:
-    """Swap each quantized linear of ``model`` for a :class:`~compress.quant.qlinear.QuantLinear`
+    """Swap each quantized linear of ``model`` for a :class:`~layercut.compress.quant.qlinear.QuantLinear`
     holding its packed tensors (the model then runs the GPTQ op; weights are freed)."""
-    from compress.quant.qlinear import QuantLinear
+    from layercut.compress.quant.qlinear import QuantLinear
 
     # QuantLinear computes x @ Wᵀ with W [out, in]: the same map as a GPT-2 Conv1D's x @ weight
     for name, ql in result.layers.items():

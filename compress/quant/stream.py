@@ -2,19 +2,19 @@
 
 Usage::
 
-    from compress.lazy import LazyModel
-    from compress.quant.stream import quantize_streamed
+    from layercut.compress.lazy import LazyModel
+    from layercut.compress.quant.stream import quantize_streamed
     lazy = LazyModel("ckpt-dir")
     result, qc = quantize_streamed(lazy, calib, QuantConfig(bits=4, group_size=128), "out-tmp-dir")
 
-The model is a :class:`compress.lazy.LazyModel`: the capture driver reads each block from
-the checkpoint for its turn, :func:`compress.quant.stage.quantize_model` quantizes it in
+The model is a :class:`layercut.compress.lazy.LazyModel`: the capture driver reads each block from
+the checkpoint for its turn, :func:`layercut.compress.quant.stage.quantize_model` quantizes it in
 place (Hessians per group, solved and freed at the block's turn), and the block's packed
 tensors (and its unquantized ones, in ``save_dtype``) go straight to the shard writer before
-the block is released; the :class:`~compress.quant.stage.QuantizeResult` keeps only each
+the block is released; the :class:`~layercut.compress.quant.stage.QuantizeResult` keeps only each
 linear's bits, shape and solve figures, never its tensors. The embeddings, final norm and
 head are copied from the source at the end. The layout is the one
-:func:`compress.quant.checkpoint.write_quantized_into` writes (GPTQ v1, sharded with an
+:func:`layercut.compress.quant.checkpoint.write_quantized_into` writes (GPTQ v1, sharded with an
 index), so every loader reads both the same way.
 """
 
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from calibrate.capture import BlockRun
-from compress.errors import LayercutError
-from compress.lazy import LazyModel
-from compress.quant.checkpoint import quantization_config
-from compress.quant.stage import QuantConfig, QuantizeResult, quantize_model, target_linears
+from layercut.calibrate.capture import BlockRun
+from layercut.compress.errors import LayercutError
+from layercut.compress.lazy import LazyModel
+from layercut.compress.quant.checkpoint import quantization_config
+from layercut.compress.quant.stage import QuantConfig, QuantizeResult, quantize_model, target_linears
 
 SKIP_FILES = {"config.json", "model.safetensors.index.json", "quantize_config.json"}
 
@@ -51,7 +51,7 @@ def quantize_streamed(
     extra_files: Mapping[str, str | bytes] | None = None,
 ) -> tuple[QuantizeResult, dict]:
     """Quantize ``lazy`` block by block into ``folder`` (an existing temporary directory)."""
-    from export.shards import ShardWriter
+    from layercut.export.shards import ShardWriter
 
     folder = Path(folder)
     writer = ShardWriter(folder, max_shard_size, always_index=True)

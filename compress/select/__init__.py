@@ -2,7 +2,7 @@
 
 Usage::
 
-    from compress.select import compute_scores, select_blocks, select_sublayers, gate_norm_scores
+    from layercut.compress.select import compute_scores, select_blocks, select_sublayers, gate_norm_scores
     scores = compute_scores(model, calib, span=8)      # one capture-driver pass
     select_blocks(scores, 8, "block-influence")
 
@@ -12,9 +12,9 @@ Modules: ``cores`` (tensor formulas), ``stage`` (driver callback, LayerScores, s
 ``gate_norm`` (data-free, from safetensors), ``swap_kl`` (diagnostic), ``plot`` (PNG).
 """
 
-from compress.select.gate_norm import gate_norm_from_model, gate_norm_scores, gate_norm_select
-from compress.select.plot import plot_scores
-from compress.select.stage import (
+from layercut.compress.select.gate_norm import gate_norm_from_model, gate_norm_scores, gate_norm_select
+from layercut.compress.select.plot import plot_scores
+from layercut.compress.select.stage import (
     BLOCK_METHODS,
     DATA_METHODS,
     SUBLAYER_METHODS,
@@ -25,7 +25,7 @@ from compress.select.stage import (
     select_blocks,
     select_sublayers,
 )
-from compress.select.swap_kl import swap_kl_scores
+from layercut.compress.select.swap_kl import swap_kl_scores
 
 __all__ = [
     "BLOCK_METHODS",

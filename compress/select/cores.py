@@ -2,7 +2,7 @@
 
 Usage::
 
-    from compress.select.cores import (angular_last, angular_tokens, cosine_importance,
+    from layercut.compress.select.cores import (angular_last, angular_tokens, cosine_importance,
                                        span_distances, best_span, lowest, gate_norm_qk)
     d = angular_last(h_l, h_ln, mask)          # [B] per-sample arccos(cos)/π at the last real token
     bi = cosine_importance(h_l, h_next, mask)  # (Σ cos over real tokens, count) -> 1 − mean
@@ -10,7 +10,7 @@ Usage::
 
 Streams are ``[B, L, D]`` with a ``[B, L]`` bool mask (True on real tokens). Every
 reduction runs in float64 and ignores padding. The stage wrappers in
-:mod:`compress.select.stage` feed these from the capture driver; the tests check them
+:mod:`layercut.compress.select.stage` feed these from the capture driver; the tests check them
 against direct computations on hand-made tensors.
 
 References: Gromov et al. 2024, "The Unreasonable Ineffectiveness of the Deeper Layers"
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from calibrate.stats import last_tokens, token_cosine
+from layercut.calibrate.stats import last_tokens, token_cosine
 
 
 def angle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -117,7 +117,7 @@ def gate_norm_sq_per_head(w_q: torch.Tensor, w_k: torch.Tensor, num_heads: int, 
 def gate_norm_qk(w_q: torch.Tensor, w_k: torch.Tensor, num_heads: int, num_kv_heads: int | None = None) -> float:
     """Gate-Norm G = sqrt(Σ_h ‖W_Q,h W_K,g(h)ᵀ‖_F²): the norm (not its square).
 
-    DESIGN.md writes Σ_h tr((W_Q,h W_Q,hᵀ)(W_K,g W_K,gᵀ)), which is G². With one head this
+    The Gate-Norm score is often written Σ_h tr((W_Q,h W_Q,hᵀ)(W_K,g W_K,gᵀ)), which is G². With one head this
     is exactly ‖W_Q W_Kᵀ‖_F; with several heads it is the norm of the per-head bilinear
     forms stacked side by side (the cross-head products, which attention never computes,
     are left out). Shapes as in :func:`gate_norm_sq_per_head`.

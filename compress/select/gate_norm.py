@@ -2,14 +2,14 @@
 
 Usage::
 
-    from compress.select.gate_norm import gate_norm_scores, gate_norm_select
+    from layercut.compress.select.gate_norm import gate_norm_scores, gate_norm_select
     g = gate_norm_scores("path/to/model")        # [L] floats, no model built, no data
     drop = gate_norm_select("path/to/model", 8)  # the 8 attention layers with the lowest G
 
     layercut score MODEL --method gate-norm --drop 8 --json
 
 G_l = sqrt(Σ_h ‖W_Q,h W_K,g(h)ᵀ‖_F²) (the norm, not its square; see
-:func:`compress.select.cores.gate_norm_qk`), per head with the key head shared under GQA.
+:func:`layercut.compress.select.cores.gate_norm_qk`), per head with the key head shared under GQA.
 Only the q and k projections are read: one layer at a time through ``safe_open`` (single
 file or sharded with an index), converted to float32 on the fly, while a background thread
 already reads the next layer — so the Gram products overlap the disk reads. Separate
@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compress.arch import ArchSpec, arch_for, get_submodule, spec_for_model_type
-from compress.errors import LayercutError
-from compress.select.cores import gate_norm_qk, lowest, split_fused_qkv
+from layercut.compress.arch import ArchSpec, arch_for, get_submodule, spec_for_model_type
+from layercut.compress.errors import LayercutError
+from layercut.compress.select.cores import gate_norm_qk, lowest, split_fused_qkv
 
 FUSED_LAYOUTS = {"phi3": "stacked", "gpt_neox": "neox", "gpt2": "conv1d"}  # by ArchSpec.family
 
@@ -122,7 +122,7 @@ class _Reader:
 
 def iter_qk(model_dir: str | Path) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, int]]:
     """(w_q [H·d_h, d], w_k [H_kv·d_h, d], H, H_kv) per layer, float32, read one layer ahead."""
-    from compress.models import resolve_model
+    from layercut.compress.models import resolve_model
 
     path = resolve_model(model_dir)
     config = json.loads((path / "config.json").read_text())

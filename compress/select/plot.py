@@ -2,7 +2,7 @@
 
 Usage::
 
-    from compress.select.plot import plot_scores
+    from layercut.compress.select.plot import plot_scores
     plot_scores(scores, "scores.png", highlight={"block_influence": [12, 13, 25]})
 
     layercut score MODEL --method all --span 8 --plot scores.png
@@ -19,8 +19,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from compress.errors import LayercutError
-from compress.select.stage import LayerScores
+from layercut.compress.errors import LayercutError
+from layercut.compress.select.stage import LayerScores
 
 SERIES = (
     ("block_influence", "block influence 1 − cos(h_l, h_l+1)"),

@@ -2,14 +2,14 @@
 
 Usage::
 
-    from compress.select import compute_scores, select_blocks, select_sublayers
+    from layercut.compress.select import compute_scores, select_blocks, select_sublayers
     scores = compute_scores(model, calib, span=8)        # angular, BI, sublayer cosines
     select_blocks(scores, 8, "angular")                  # contiguous span l*..l*+7
     select_blocks(scores, 8, "block-influence")          # 8 lowest BI, any positions
     select_sublayers(scores, 8, "attn-cosine", "attention")
     scores.to_dict()                                     # JSON-able
 
-Every stream is taken from :func:`calibrate.capture.run_blocks`: h_l = ``run.inputs``,
+Every stream is taken from :func:`layercut.calibrate.capture.run_blocks`: h_l = ``run.inputs``,
 h_{l+1} = ``run.outputs()`` — for the last block that is the raw residual stream, never
 transformers' ``hidden_states[-1]`` (which is after the final norm). Padding is masked
 everywhere (the driver's ``run.masks``).
@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from calibrate.capture import BlockRun, run_blocks
-from calibrate.data import CalibSet
-from calibrate.stats import last_tokens
-from compress.errors import LayercutError
-from compress.select.cores import angle, best_span, cosine_sum, lowest, ranking, span_distances
+from layercut.calibrate.capture import BlockRun, run_blocks
+from layercut.calibrate.data import CalibSet
+from layercut.calibrate.stats import last_tokens
+from layercut.compress.errors import LayercutError
+from layercut.compress.select.cores import angle, best_span, cosine_sum, lowest, ranking, span_distances
 
 DATA_METHODS = ("angular", "angular-all", "block-influence", "attn-cosine", "mlp-cosine")
 BLOCK_METHODS = ("angular", "angular-all", "block-influence")
@@ -52,8 +52,8 @@ class LayerScores:
     ``angular[l]`` = d(l, span) at the last real token, l = 0..L−span (Gromov et al.);
     ``angular_all[l]`` = the same over every real token;
     ``angular_spans[n][l]`` = last-token d(l, n) for every n in 1..L−1;
-    ``gate_norm[l]`` = ‖W_Q W_Kᵀ‖_F per head (see :mod:`compress.select.gate_norm`);
-    ``swap_kl`` = the swap diagnostic (see :mod:`compress.select.swap_kl`).
+    ``gate_norm[l]`` = ‖W_Q W_Kᵀ‖_F per head (see :mod:`layercut.compress.select.gate_norm`);
+    ``swap_kl`` = the swap diagnostic (see :mod:`layercut.compress.select.swap_kl`).
     A field is ``None`` when its method was not run.
     """
 
@@ -175,7 +175,7 @@ class ScoreCollector:
 
 
 def _num_layers(model: nn.Module) -> int:
-    from compress.arch import arch_for
+    from layercut.compress.arch import arch_for
 
     return len(arch_for(model).layers_of(model))
 
@@ -217,11 +217,11 @@ def compute_scores(
         run_blocks(model, calib, [collector], batch_size=batch_size, progress=progress, desc="score")
         scores = collector.result(calib.num_samples)
     if "gate-norm" in methods:
-        from compress.select.gate_norm import gate_norm_from_model
+        from layercut.compress.select.gate_norm import gate_norm_from_model
 
         scores.gate_norm = gate_norm_from_model(model)
     if "swap-kl" in methods:
-        from compress.select.swap_kl import swap_kl_scores
+        from layercut.compress.select.swap_kl import swap_kl_scores
 
         scores.swap_kl = swap_kl_scores(model, calib, progress=progress)
     scores.meta["methods"] = methods
@@ -303,7 +303,7 @@ def select_sublayers(
 
 
 def _gate_norm_of(source: LayerScores | nn.Module | str | Path) -> list[float]:
-    from compress.select.gate_norm import gate_norm_from_model, gate_norm_scores
+    from layercut.compress.select.gate_norm import gate_norm_from_model, gate_norm_scores
 
     if isinstance(source, LayerScores):
         if source.gate_norm is None:

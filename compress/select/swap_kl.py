@@ -2,7 +2,7 @@
 
 Usage::
 
-    from compress.select.swap_kl import swap_kl_scores
+    from layercut.compress.select.swap_kl import swap_kl_scores
     res = swap_kl_scores(model, calib, samples=4)     # or (model, tokenizer, source=...)
     res["interchange"][i]   # d_int(i, i+1) = E_t KL(p_M ‖ p_M with blocks i, i+1 swapped)
     res["replacement"][i]   # d_repl(i, i+1) = max(KL with i's weights in i+1's slot, and vice versa)
@@ -31,11 +31,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from calibrate import DEFAULT_CALIB_TEXT
-from calibrate.capture import run_blocks
-from calibrate.data import CalibSet, Sources, calibration_batch
-from compress.arch import arch_for
-from compress.errors import LayercutError
+from layercut.calibrate import DEFAULT_CALIB_TEXT
+from layercut.calibrate.capture import run_blocks
+from layercut.calibrate.data import CalibSet, Sources, calibration_batch
+from layercut.compress.arch import arch_for
+from layercut.compress.errors import LayercutError
 
 
 def token_kl(ref_logp: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor,
@@ -105,7 +105,7 @@ def swap_kl_scores(
 
     ``tokenizer_or_calib``: a :class:`CalibSet` (its first ``samples`` rows, cut to
     ``seq_len`` tokens, are used) or a tokenizer (then ``samples`` × ``seq_len`` tokens are
-    drawn from ``source``: any text :func:`calibrate.data.calibration_batch` takes, e.g. a
+    drawn from ``source``: any text :func:`layercut.calibrate.data.calibration_batch` takes, e.g. a
     ``ScoreConfig``'s ``text_sources()``).
     Returns ``{"pairs": [[i, i+1], ...], "interchange": [...], "replacement": [...] | None,
     "samples": N, "tokens": T}`` with KLs in nats per token.

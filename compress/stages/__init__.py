@@ -2,10 +2,10 @@
 
 Usage::
 
-    from compress.stages import config_types, stage_module
+    from layercut.compress.stages import config_types, stage_module
     stage_module("quantize").run(config_types()["quantize"](bits=4), "model/", "q4/")
 
-Every stage module defines ``<Name>Config`` (a :class:`~compress.stages.base.StageConfig`:
+Every stage module defines ``<Name>Config`` (a :class:`~layercut.compress.stages.base.StageConfig`:
 the CLI flags, the recipe keys and the Python options all come from it) and
 ``run(config, source, output, env=None) -> report``; where a stage can work in memory it
 also has ``<stage>_model(model, tokenizer, config)``. Importing this package or a stage
@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from compress.stages.base import StageConfig
+from layercut.compress.stages.base import StageConfig
 
 # in pipeline order; `layercut --help` lists them so
 STAGES = ("score", "prune", "heal", "quantize", "export", "eval")
@@ -26,7 +26,7 @@ CONFIG_NAMES = {"score": "ScoreConfig", "prune": "PruneConfig", "heal": "HealCon
 
 
 def stage_module(name: str) -> ModuleType:
-    return importlib.import_module(f"compress.stages.{name}")
+    return importlib.import_module(f"layercut.compress.stages.{name}")
 
 
 def config_types() -> dict[str, type[StageConfig]]:

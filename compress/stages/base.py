@@ -1,10 +1,10 @@
 """The one definition of a stage's options: a strict pydantic config, from which the CLI
-flags (:mod:`compress.stages.flags`), the recipe keys (:mod:`compress.recipe`) and the
+flags (:mod:`layercut.compress.stages.flags`), the recipe keys (:mod:`layercut.compress.recipe`) and the
 Python API (:mod:`layercut`) all come.
 
 Usage::
 
-    from compress.stages.prune import PruneConfig
+    from layercut.compress.stages.prune import PruneConfig
     PruneConfig(drop=8, select="angular", replace="lstsq")     # validated now
     PruneConfig(replce="lstsq")      # ValueError: unknown key 'replce', did you mean 'replace'? ...
 
@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from calibrate.sources import FIELD_KEYS, TextSource
+from layercut.calibrate.sources import FIELD_KEYS, TextSource
 
 # a recipe's eval/heal stage compares with / distils from the recipe's model unless told otherwise
 SOURCE = "source"
@@ -156,8 +156,8 @@ class RunEnv:
 
     def resolve(self, spec: str | None, what: str) -> Path | None:
         """A model option: ``source`` -> the run's source model, a spec -> its path, None -> None."""
-        from compress.errors import LayercutError
-        from compress.models import resolve_model
+        from layercut.compress.errors import LayercutError
+        from layercut.compress.models import resolve_model
 
         if spec is None:
             return None
@@ -203,7 +203,7 @@ def messages_field_option() -> Any:
 
 
 def device_option() -> Any:
-    from compress.devices import DEVICE_HELP, DEVICE_PATTERN
+    from layercut.compress.devices import DEVICE_HELP, DEVICE_PATTERN
 
     return Field("auto", pattern=DEVICE_PATTERN, description=DEVICE_HELP, json_schema_extra={"metavar": "DEVICE"})
 
@@ -228,7 +228,7 @@ class TextOptions(BaseModel):
         name = cls.text_option
         if not isinstance(data, dict) or name not in data or isinstance(data[name], str):
             return data
-        from compress.stages.flags import format_error
+        from layercut.compress.stages.flags import format_error
 
         value = data[name]
         if not isinstance(value, (list, dict, TextSource)):
@@ -267,7 +267,7 @@ class TextOptions(BaseModel):
         try:
             return [TextSource(source=value, **flat)]
         except ValidationError as exc:
-            from compress.stages.flags import format_error
+            from layercut.compress.stages.flags import format_error
 
             raise ValueError(format_error(exc)) from None
 
@@ -313,7 +313,7 @@ def stream_blocker(path: Path) -> str | None:
     """Why ``path`` cannot be streamed block by block, or None when it can."""
     import json
 
-    from compress.arch import spec_for_model_type
+    from layercut.compress.arch import spec_for_model_type
 
     try:
         cfg = json.loads((Path(path) / "config.json").read_text())
@@ -329,7 +329,7 @@ def stream_blocker(path: Path) -> str | None:
 
 
 def load_streamed(path: Path, dtype: str, env: RunEnv, whole_model: bool, what: str):
-    """A :class:`compress.lazy.LazyModel` for ``path``, or None where the stage must load the whole model."""
+    """A :class:`layercut.compress.lazy.LazyModel` for ``path``, or None where the stage must load the whole model."""
     import logging
 
     if whole_model:
@@ -338,6 +338,6 @@ def load_streamed(path: Path, dtype: str, env: RunEnv, whole_model: bool, what: 
     if reason is not None:
         logging.getLogger(f"layercut.{what}").info("%s: loading the whole model (%s)", what, reason)
         return None
-    from compress.lazy import LazyModel
+    from layercut.compress.lazy import LazyModel
 
     return LazyModel(path, storage_dtype=torch_dtype(dtype, path), trust_remote_code=env.trust_remote_code)

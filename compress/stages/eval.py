@@ -7,10 +7,10 @@ Run it::
     layercut eval OUT --reference bundled:smollm2-135m --max-ppl-increase 5% --max-kl 0.1
     layercut eval OUT --tasks brown_cloze --limit 200      # needs the `eval` extra (lm-eval)
 
-    from compress.stages.eval import EvalConfig, run
+    from layercut.compress.stages.eval import EvalConfig, run
     report = run(EvalConfig(max_tokens=256, reference=None), "bundled:smollm2-135m")
 
-The protocol is :mod:`compress.evaluate`'s; tasks run through :mod:`compress.lmeval`
+The protocol is :mod:`layercut.compress.evaluate`'s; tasks run through :mod:`layercut.compress.lmeval`
 after the perplexity pass, on the whole model in memory. A failed gate is reported
 (``failed_gates``), not raised: the CLI exits with code 3, a recipe run finishes first.
 """
@@ -23,9 +23,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from calibrate import DEFAULT_EVAL_TEXT
-from compress.devices import on_device
-from compress.stages.base import (
+from layercut.calibrate import DEFAULT_EVAL_TEXT
+from layercut.compress.devices import on_device
+from layercut.compress.stages.base import (
     SOURCE,
     STREAM_DTYPE_HELP,
     WHOLE_MODEL_HELP,
@@ -132,20 +132,20 @@ def run(config: EvalConfig, source: str | Path, output: str | Path | None = None
     Report: ``model`` (figures of ``source``), ``baseline`` (the reference's own figures or
     None), ``gates``, ``gates_passed``, ``failed_gates``; with ``tasks`` also ``tasks``
     (``{task: {metrics, num_fewshot, limit, samples, dataset, task_version}}``, see
-    :func:`compress.lmeval.run_tasks`) and ``lm_eval_version``.
+    :func:`layercut.compress.lmeval.run_tasks`) and ``lm_eval_version``.
     """
-    from compress.errors import LayercutError
-    from compress.evaluate import evaluate
-    from compress.gates import check_gates, parse_limit
-    from compress.models import load_model, load_tokenizer, resolve_model, weight_bytes
-    from compress.stages.base import load_streamed, torch_dtype
+    from layercut.compress.errors import LayercutError
+    from layercut.compress.evaluate import evaluate
+    from layercut.compress.gates import check_gates, parse_limit
+    from layercut.compress.models import load_model, load_tokenizer, resolve_model, weight_bytes
+    from layercut.compress.stages.base import load_streamed, torch_dtype
 
     env = env or RunEnv()
     max_ppl = parse_limit(config.max_ppl_increase, "max_ppl_increase")
     path = resolve_model(source)
     tasks = None
     if config.tasks:  # a bad task name, folder or dataset, or no lm-eval, fail before the perplexity pass
-        from compress.lmeval import load_tasks
+        from layercut.compress.lmeval import load_tasks
 
         tasks = load_tasks(config.tasks, config.include_path)
     ref_path = env.resolve(config.reference, "reference")
@@ -157,7 +157,7 @@ def run(config: EvalConfig, source: str | Path, output: str | Path | None = None
     baseline = None
     model = None
     if lazy is not None and (ref_path is None or ref_lazy is not None):
-        from compress.stream_eval import evaluate_lazy  # one block in memory at a time
+        from layercut.compress.stream_eval import evaluate_lazy  # one block in memory at a time
 
         tokenizer = load_tokenizer(path, env.trust_remote_code)
         if ref_path is not None and load_tokenizer(ref_path, env.trust_remote_code).get_vocab() != tokenizer.get_vocab():
@@ -195,7 +195,7 @@ def run(config: EvalConfig, source: str | Path, output: str | Path | None = None
         "failed_gates": [g.name for g in gates if not g.passed],
     }
     if tasks is not None:
-        from compress.lmeval import run_tasks
+        from layercut.compress.lmeval import run_tasks
 
         if model is None:  # perplexity streamed: lm-eval needs the whole model
             model, tokenizer = load_model(path, dtype=torch_dtype(config.dtype, path),

@@ -5,11 +5,11 @@ Run it::
     layercut export runs/demo -o release                       # a run dir: its final model, card, report
     layercut export runs/demo/03-quantize/model -o dense --dequantize
 
-    from compress.stages.export import ExportConfig, run
+    from layercut.compress.stages.export import ExportConfig, run
     run(ExportConfig(save_dtype="bf16"), "pruned/", "release/")
 
 Writes atomically (nothing is left at the output on any error); the format is
-:mod:`export.export`'s. Given a layercut run directory, exports its final model with the
+:mod:`layercut.export.export`'s. Given a layercut run directory, exports its final model with the
 run's recipe and report beside it.
 """
 
@@ -21,7 +21,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from compress.stages.base import Dtype, RunEnv, SaveDtype, StageConfig, check_size
+from layercut.compress.stages.base import Dtype, RunEnv, SaveDtype, StageConfig, check_size
 
 
 class ExportConfig(StageConfig):
@@ -51,10 +51,10 @@ class ExportConfig(StageConfig):
 def run(config: ExportConfig, source: str | Path, output: str | Path, env: RunEnv | None = None,
         extra_files: dict[str, str | bytes] | None = None) -> dict:
     """Export ``source`` (a checkpoint, or a layercut run directory) to ``output``; returns a report."""
-    from compress.models import resolve_model
-    from compress.pipeline import quality_report
-    from export.card import card_files
-    from export.export import export_checkpoint, is_quantized
+    from layercut.compress.models import resolve_model
+    from layercut.compress.pipeline import quality_report
+    from layercut.export.card import card_files
+    from layercut.export.export import export_checkpoint, is_quantized
 
     env = env or RunEnv()
     src = Path(source).expanduser()
@@ -90,7 +90,7 @@ def run(config: ExportConfig, source: str | Path, output: str | Path, env: RunEn
 
 def run_dir_report(path: Path) -> dict | None:
     """The report of a layercut run directory (``report.json`` + ``recipe.yaml``), else None."""
-    from compress.errors import LayercutError
+    from layercut.compress.errors import LayercutError
 
     report_file = path / "report.json"
     if not (path / "recipe.yaml").is_file() or not report_file.is_file():

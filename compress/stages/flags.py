@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from compress.errors import LayercutError
-from compress.stages.base import StageConfig
+from layercut.compress.errors import LayercutError
+from layercut.compress.stages.base import StageConfig
 
 
 def flag_name(field: str) -> str:

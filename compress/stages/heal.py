@@ -4,10 +4,10 @@ Run it::
 
     layercut heal pruned/ --teacher bundled:smollm2-135m -o healed/ --steps 200
 
-    from compress.stages.heal import HealConfig, run
+    from layercut.compress.stages.heal import HealConfig, run
     run(HealConfig(steps=200, teacher="bundled:smollm2-135m"), "pruned/", "healed/")
 
-    from heal.train import heal_model                   # in memory: the same config
+    from layercut.heal.train import heal_model                   # in memory: the same config
     result = heal_model(student, teacher, tokenizer, HealConfig(steps=200))
 
 Checks run before anything is loaded or written: settings, output location, tokenizers,
@@ -27,10 +27,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import AliasChoices, Field, ValidationError, model_validator
 
-from calibrate import DEFAULT_CALIB_TEXT
-from calibrate.sources import FIELD_KEYS
-from compress.devices import on_device
-from compress.stages.base import (
+from layercut.calibrate import DEFAULT_CALIB_TEXT
+from layercut.calibrate.sources import FIELD_KEYS
+from layercut.compress.devices import on_device
+from layercut.compress.stages.base import (
     SOURCE,
     TEXT_SPEC_HELP,
     Dtype,
@@ -50,14 +50,14 @@ log = logging.getLogger("layercut.heal")
 DEFAULT_DATA = DEFAULT_CALIB_TEXT
 # Heal windows on the bundled calibration text start at this token of its EOS-joined stream.
 # A default calibration draw (128 x 512 tokens, offset 0) only ever reads the first
-# (128 + 1) * 512 * 4 + 512 = 264,704 tokens (see calibrate.data.calibration_batch), so the
+# (128 + 1) * 512 * 4 + 512 = 264,704 tokens (see layercut.calibrate.data.calibration_batch), so the
 # heal windows never reuse a calibration sequence; ~780k of the 1.08M SmolLM2 tokens remain.
 BUNDLED_HEAL_OFFSET = 300_000
 _ALIASES = {"batch": "batch_size"}  # the option's name before every stage said --batch-size
 
 
 class HealConfig(StageConfig, TextOptions):
-    """Options of ``layercut heal``, of a recipe's ``heal`` stage and of :func:`heal.train.heal_model`.
+    """Options of ``layercut heal``, of a recipe's ``heal`` stage and of :func:`layercut.heal.train.heal_model`.
 
     ``batch_size`` is per process (the global batch is batch_size × processes).
 
@@ -143,8 +143,8 @@ class HealConfig(StageConfig, TextOptions):
     @classmethod
     def parse(cls, values: dict[str, Any] | None = None, **kwargs: Any) -> HealConfig:
         """Build from a dict (e.g. a recipe section); bad keys/values become one LayercutError."""
-        from compress.errors import LayercutError
-        from compress.stages.flags import format_error
+        from layercut.compress.errors import LayercutError
+        from layercut.compress.stages.flags import format_error
 
         try:
             return cls(**{**(values or {}), **kwargs})
@@ -189,7 +189,7 @@ def _train_dtype(name: str, path):
 
     import torch
 
-    from compress.stages.base import torch_dtype
+    from layercut.compress.stages.base import torch_dtype
 
     dtype = torch_dtype(name, path)
     if name == "auto" and (dtype == torch.float16 or "quantization_config" in json.loads(
@@ -213,13 +213,13 @@ def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv 
     """
     from transformers import AutoConfig
 
-    from compress.errors import LayercutError
-    from compress.models import load_model, load_tokenizer, resolve_model
-    from export.checkpoint import check_output_dir
-    from heal.data import build_topk_cache, heal_data
-    from heal.lora import check_tokenizers
-    from heal.state import default_state_dir
-    from heal.train import heal_model
+    from layercut.compress.errors import LayercutError
+    from layercut.compress.models import load_model, load_tokenizer, resolve_model
+    from layercut.export.checkpoint import check_output_dir
+    from layercut.heal.data import build_topk_cache, heal_data
+    from layercut.heal.lora import check_tokenizers
+    from layercut.heal.state import default_state_dir
+    from layercut.heal.train import heal_model
 
     env = env or RunEnv()
     out = check_output_dir(output, env.overwrite)

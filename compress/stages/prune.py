@@ -4,11 +4,11 @@ Run it::
 
     layercut prune bundled:smollm2-135m -o out/cut8 --drop 8 --select block-influence --replace lstsq
 
-    from compress.stages.prune import PruneConfig, prune_model, run
+    from layercut.compress.stages.prune import PruneConfig, prune_model, run
     run(PruneConfig(drop=8, select="block-influence", replace="lstsq"), "bundled:smollm2-135m", "out/cut8")
     model = prune_model(model, tokenizer, PruneConfig(layers=[3, 4]))          # in memory
 
-Both paths share :func:`apply`; the algorithms are in :mod:`compress.depth`. Every option
+Both paths share :func:`apply`; the algorithms are in :mod:`layercut.compress.depth`. Every option
 is validated before any work; the output directory appears only when complete. Besides
 the weights it holds ``layercut_prune.json`` (no timings or paths, so reruns are
 byte-identical): which layers (old numbering), how they were chosen (with the scores),
@@ -26,9 +26,9 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from calibrate import DEFAULT_CALIB_TEXT
-from compress.devices import on_device
-from compress.stages.base import (
+from layercut.calibrate import DEFAULT_CALIB_TEXT
+from layercut.compress.devices import on_device
+from layercut.compress.stages.base import (
     STREAM_DTYPE_HELP,
     TEXT_SPEC_HELP,
     WHOLE_MODEL_HELP,
@@ -105,8 +105,8 @@ class PruneConfig(StageConfig, TextOptions):
 
     @model_validator(mode="after")
     def _request(self) -> PruneConfig:
-        from compress.depth.prune import check_request, parse_layers
-        from compress.errors import LayercutError
+        from layercut.compress.depth.prune import check_request, parse_layers
+        from layercut.compress.errors import LayercutError
 
         drop = self.drop if isinstance(self.drop, int) or self.drop is None else None if self.layers else 1
         try:
@@ -133,11 +133,11 @@ def choose(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
 
     Returns ``picked``, ``scores``, ``calib_set`` (None when no data is needed),
     ``num_layers`` and ``params_before``. ``model`` may be a lazily loaded one
-    (:class:`compress.lazy.LazyModel`): scoring streams it block by block.
+    (:class:`layercut.compress.lazy.LazyModel`): scoring streams it block by block.
     """
-    from calibrate.data import calibration_batch
-    from compress.arch import arch_for
-    from compress.depth.prune import _params, check_against_model, choose_layers, parse_layers
+    from layercut.calibrate.data import calibration_batch
+    from layercut.compress.arch import arch_for
+    from layercut.compress.depth.prune import _params, check_against_model, choose_layers, parse_layers
 
     picked = parse_layers(config.layers)
     count = config.count(len(arch_for(model).layers_of(model)))
@@ -161,8 +161,8 @@ def choose(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
 def apply(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
           progress: bool = True) -> tuple[object, dict]:
     """The shared core: choose the layers and transform ``model`` in place; returns (model, report)."""
-    from compress.depth.prune import _params
-    from compress.depth.prune import prune_model as transform
+    from layercut.compress.depth.prune import _params
+    from layercut.compress.depth.prune import prune_model as transform
 
     plan = choose(model, tokenizer, config, model_dir, progress)
     picked, calib_set, replace = plan["picked"], plan["calib_set"], config.replace
@@ -175,7 +175,7 @@ def apply(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
 
 def report_of(config: PruneConfig, plan: dict, details: dict, layers_after: int, params_after: int) -> dict:
     """The prune report (``layercut_prune.json`` without timings), the same for both paths."""
-    from compress.depth.prune import transform_name
+    from layercut.compress.depth.prune import transform_name
 
     picked, select, replace = plan["picked"], config.select, config.replace
     extra = {"stream": config.stream, "alpha": config.alpha} if replace != "none" else {}
@@ -209,10 +209,10 @@ def report_of(config: PruneConfig, plan: dict, details: dict, layers_after: int,
 def _run_streamed(lazy, config: PruneConfig, model_dir: Path, output: str | Path, env: RunEnv) -> dict:
     """Block drop / linear replacement with one block in memory: select and fit over the lazy driver,
     then copy the checkpoint tensor by tensor (kept dtype), folding the maps in on the way."""
-    from compress.depth.replace import fit_linear_maps
-    from compress.depth.stream_drop import map_edits, write_without_blocks
-    from compress.models import load_tokenizer
-    from export.checkpoint import atomic_dir
+    from layercut.compress.depth.replace import fit_linear_maps
+    from layercut.compress.depth.stream_drop import map_edits, write_without_blocks
+    from layercut.compress.models import load_tokenizer
+    from layercut.export.checkpoint import atomic_dir
 
     tokenizer = load_tokenizer(model_dir, env.trust_remote_code)
     plan = choose(lazy.model, tokenizer, config, model_dir, env.progress)
@@ -241,10 +241,10 @@ def run(config: PruneConfig, source: str | Path, output: str | Path, env: RunEnv
 
     ``plot``: also write a PNG of the selection scores (selected layers in red).
     """
-    from compress.depth.sublayers import sublayer_readme
-    from compress.models import load_model, resolve_model
-    from compress.stages.base import load_streamed, torch_dtype
-    from export.checkpoint import atomic_dir, check_output_dir, write_checkpoint_into
+    from layercut.compress.depth.sublayers import sublayer_readme
+    from layercut.compress.models import load_model, resolve_model
+    from layercut.compress.stages.base import load_streamed, torch_dtype
+    from layercut.export.checkpoint import atomic_dir, check_output_dir, write_checkpoint_into
 
     env = env or RunEnv()
     check_output_dir(output, env.overwrite)
@@ -272,7 +272,7 @@ def run(config: PruneConfig, source: str | Path, output: str | Path, env: RunEnv
 
 
 def _plot(report: dict, config: PruneConfig, path: Path) -> None:
-    from compress.select import LayerScores, plot_scores
+    from layercut.compress.select import LayerScores, plot_scores
 
     layers = report["layers"]
     highlight = layers if config.select and not config.select.startswith("angular") else layers[:1]

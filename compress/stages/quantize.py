@@ -6,20 +6,20 @@ Run it::
     layercut quantize MODEL -o mix --avg-bits 3.5                       # default candidate pairs
     layercut quantize MODEL -o mix --avg-bits 3.5 --candidates 3g64,3g128,4g64,4ch,8ch
 
-    from compress.stages.quantize import QuantizeConfig, quantize_model, run
+    from layercut.compress.stages.quantize import QuantizeConfig, quantize_model, run
     run(QuantizeConfig(bits=4), "bundled:smollm2-135m", "q4")
     model = quantize_model(model, tokenizer, QuantizeConfig(bits=4))   # in memory (weights fake-quantized)
 
-Writes a GPTQ v1 checkpoint (:mod:`compress.quant.checkpoint`). With ``avg_bits`` each unit
+Writes a GPTQ v1 checkpoint (:mod:`layercut.compress.quant.checkpoint`). With ``avg_bits`` each unit
 (a fused group qkv / o / gate_up / down with ``unit="group"``, the default, or a decoder
 layer) gets one (bits, group size) candidate, chosen by
-:func:`compress.quant.allocate.allocate_bits` from :mod:`compress.quant.sensitivity`'s
+:func:`layercut.compress.quant.allocate.allocate_bits` from :mod:`layercut.compress.quant.sensitivity`'s
 measurements under the budget Σ C_u(c_u) ≤ X·Σ n_u, C_u(b, gs) = n_u·b + groups·(16 + b)
 (scales and zeros counted); candidates, the uniform baseline and the fallback check are
-:mod:`compress.quant.mixed`'s. The first ``sensitivity_samples`` calibration sequences
+:mod:`layercut.compress.quant.mixed`'s. The first ``sensitivity_samples`` calibration sequences
 measure the sensitivities. With ``refine`` (GPTQ, ``sensitivity="loss"``) the quantize pass
 of the chosen allocation also re-solves each unit's neighbouring candidates on the Hessian of
-the quantized prefix (:mod:`compress.quant.refine`), the allocation is solved again on those
+the quantized prefix (:mod:`layercut.compress.quant.refine`), the allocation is solved again on those
 losses, and quantized again if it moved. The fallback check then quantizes the uniform baseline too and
 writes it instead when the mixed model's KL to the float model is not lower on
 ``sensitivity_samples`` further sequences drawn after the calibration windows' part of the
@@ -27,7 +27,7 @@ text (disjoint from every sequence behind the Hessians and sensitivities); one l
 stderr says when the baseline wins. ``allocation.json`` (and ``allocation.png`` when the
 mixed result is written) go into the checkpoint. Every option is validated before any
 work; the output appears atomically. A checkpoint input streams (one decoder block in memory)
-for uniform bits, RTN and ``avg_bits`` alike (:mod:`compress.quant.mixed_stream`), except with
+for uniform bits, RTN and ``avg_bits`` alike (:mod:`layercut.compress.quant.mixed_stream`), except with
 ``sensitivity="kl"``, whose per-unit KL needs the whole model.
 """
 
@@ -40,9 +40,9 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from calibrate import DEFAULT_CALIB_TEXT
-from compress.devices import on_device, resolve_device
-from compress.stages.base import (
+from layercut.calibrate import DEFAULT_CALIB_TEXT
+from layercut.compress.devices import on_device, resolve_device
+from layercut.compress.stages.base import (
     STREAM_DTYPE_HELP,
     TEXT_SPEC_HELP,
     WHOLE_MODEL_HELP,
@@ -59,7 +59,7 @@ from compress.stages.base import (
     text_field_option,
 )
 
-SUPPORTED_BITS = (2, 3, 4, 8)  # compress.quant.gptq.SUPPORTED_BITS (checked equal in tests/test_recipe.py)
+SUPPORTED_BITS = (2, 3, 4, 8)  # layercut.compress.quant.gptq.SUPPORTED_BITS (checked equal in tests/test_recipe.py)
 MAX_DP_CELLS = 2_000_000  # exact DP up to this many budget cells (int8 choices: 2 MB per unit)
 
 
@@ -69,7 +69,7 @@ def parse_candidates(value: str | list, group_size: int) -> list[tuple[int, int]
     >>> parse_candidates("3g64, 4ch,8", 64)
     [(3, 64), (4, -1), (8, 64)]
     """
-    from compress.quant.allocate import parse_candidate
+    from layercut.compress.quant.allocate import parse_candidate
 
     items = value if isinstance(value, list) else [x for x in str(value).split(",") if x.strip()]
     return list(dict.fromkeys(parse_candidate(x, group_size) for x in items))
@@ -173,7 +173,7 @@ class QuantizeConfig(StageConfig, TextOptions):
     def candidate_list(self) -> list[int]:
         """The candidate bit widths (of the listed pairs, or of the default set); kept for callers of
         the bits-only form — the allocation works on :meth:`candidate_pairs`."""
-        from compress.quant.allocate import DEFAULT_CANDIDATES
+        from layercut.compress.quant.allocate import DEFAULT_CANDIDATES
 
         return sorted({b for b, _ in (self.candidate_pairs() or DEFAULT_CANDIDATES)})
 
@@ -182,8 +182,8 @@ class QuantizeConfig(StageConfig, TextOptions):
         return None if self.candidates is None else parse_candidates(self.candidates, self.group_size)
 
     def core(self):
-        """The solver's settings (:class:`compress.quant.stage.QuantConfig`)."""
-        from compress.quant.stage import QuantConfig
+        """The solver's settings (:class:`layercut.compress.quant.stage.QuantConfig`)."""
+        from layercut.compress.quant.stage import QuantConfig
 
         return QuantConfig(bits=self.bits or 4, group_size=self.group_size, sym=self.sym,
                            act_order=self.act_order, static_groups=self.static_groups, group_aware=self.group_aware,
@@ -197,19 +197,25 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
 
     Returns (QuantizeResult, report, allocation or None, allocation.json text or None); the
     allocation is None for uniform bits and when the fallback check kept the uniform baseline.
-    ``stream``: a :class:`compress.quant.mixed_stream.StreamedOutputs` when ``net`` is a lazily
+    ``stream``: a :class:`layercut.compress.quant.mixed_stream.StreamedOutputs` when ``net`` is a lazily
     loaded model and ``avg_bits`` is set: the mixed (and uniform) checkpoints are written block
     by block there and the fallback check streams; ``stream.keep`` is left to the caller.
     """
     import sys
     from dataclasses import replace
 
-    from calibrate.data import CalibSet, calibration_batch
-    from compress.quant.allocate import allocate_bits, candidate_label, uniform_candidates
-    from compress.quant.mixed import _load, fallback_check, float_weights, held_apart, resolve_candidates
-    from compress.quant.refine import Refiner
-    from compress.quant.sensitivity import allocation_units, expand_bits, measure_sensitivity
-    from compress.quant.stage import check_model, quantize_model
+    from layercut.calibrate.data import CalibSet, calibration_batch
+    from layercut.compress.quant.allocate import allocate_bits, candidate_label, uniform_candidates
+    from layercut.compress.quant.mixed import (
+        _load,
+        fallback_check,
+        float_weights,
+        held_apart,
+        resolve_candidates,
+    )
+    from layercut.compress.quant.refine import Refiner
+    from layercut.compress.quant.sensitivity import allocation_units, expand_bits, measure_sensitivity
+    from layercut.compress.quant.stage import check_model, quantize_model
 
     cfg, gs = config.core(), config.group_size
     cfg.check()
@@ -337,12 +343,12 @@ def run(config: QuantizeConfig, source: str | Path, output: str | Path, env: Run
     Report: achieved average bits, per-unit bits, timings; ``quantize.json`` in the
     checkpoint holds the same minus timings and paths.
     """
-    from compress.errors import LayercutError
-    from compress.models import load_model, resolve_model
-    from compress.quant.checkpoint import write_quantized_into
-    from compress.stages.base import load_streamed, torch_dtype
-    from export.checkpoint import atomic_dir, check_output_dir
-    from export.export import is_quantized
+    from layercut.compress.errors import LayercutError
+    from layercut.compress.models import load_model, resolve_model
+    from layercut.compress.quant.checkpoint import write_quantized_into
+    from layercut.compress.stages.base import load_streamed, torch_dtype
+    from layercut.export.checkpoint import atomic_dir, check_output_dir
+    from layercut.export.export import is_quantized
 
     env = env or RunEnv()
     config.core().check()
@@ -374,11 +380,11 @@ def run(config: QuantizeConfig, source: str | Path, output: str | Path, env: Run
 def _run_streamed(lazy, path: Path, config: QuantizeConfig, folder: Path, env: RunEnv) -> dict:
     """GPTQ or RTN over a lazily loaded model, written block by block into ``folder``: uniform
     bits, or bits per unit (the mixed and uniform candidates each written as they go)."""
-    from compress.models import load_tokenizer
-    from compress.quant.mixed_stream import StreamedOutputs
-    from compress.quant.stream import write_block_fn, write_rest
-    from compress.stages.base import torch_dtype
-    from export.shards import ShardWriter
+    from layercut.compress.models import load_tokenizer
+    from layercut.compress.quant.mixed_stream import StreamedOutputs
+    from layercut.compress.quant.stream import write_block_fn, write_rest
+    from layercut.compress.stages.base import torch_dtype
+    from layercut.export.shards import ShardWriter
 
     save_dtype = torch_dtype(config.save_dtype)
     tokenizer = load_tokenizer(path, env.trust_remote_code)
@@ -400,7 +406,7 @@ def _run_streamed(lazy, path: Path, config: QuantizeConfig, folder: Path, env: R
 
 
 def _plot(alloc, folder: Path, config: QuantizeConfig, report: dict) -> None:
-    from compress.quant.allocate import plot_allocation
+    from layercut.compress.quant.allocate import plot_allocation
 
     plot_allocation(alloc, folder / "allocation.png",
                     title=f"{config.unit} bits (colour: group size), budget {config.avg_bits} → {alloc.avg_bits:.3f} "

@@ -5,12 +5,12 @@ Run it::
     layercut score bundled:smollm2-135m --method all --span 8 --json
     layercut score ./model --method gate-norm --drop 8 -o plan.json     # no data, no model built
 
-    from compress.stages.score import ScoreConfig, run
+    from layercut.compress.stages.score import ScoreConfig, run
     report = run(ScoreConfig(method="block-influence", drop=8), "bundled:smollm2-135m")
 
 Methods: angular, angular-all, block-influence, attn-cosine, mlp-cosine, gate-norm,
 swap-kl, all (every method but swap-kl, which is slow: name it to add it). Every
-data-driven score comes from one capture-driver pass (:mod:`compress.select`). Outputs
+data-driven score comes from one capture-driver pass (:mod:`layercut.compress.select`). Outputs
 (``output`` JSON, ``plot`` PNG) are written only at the end, atomically.
 """
 
@@ -25,9 +25,9 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from calibrate import DEFAULT_CALIB_TEXT
-from compress.devices import on_device
-from compress.stages.base import (
+from layercut.calibrate import DEFAULT_CALIB_TEXT
+from layercut.compress.devices import on_device
+from layercut.compress.stages.base import (
     STREAM_DTYPE_HELP,
     TEXT_SPEC_HELP,
     WHOLE_MODEL_HELP,
@@ -86,7 +86,7 @@ def parse_methods(value: str | list[str]) -> list[str]:
     >>> parse_methods("block-influence, angular")
     ['block-influence', 'angular']
     """
-    from compress.stages.base import closest
+    from layercut.compress.stages.base import closest
 
     names = [m.strip() for m in (value.split(",") if isinstance(value, str) else value) if m.strip()]
     if "all" in names:
@@ -103,7 +103,7 @@ def parse_methods(value: str | list[str]) -> list[str]:
 
 
 def num_layers_of(config: dict) -> int:
-    from compress.errors import LayercutError
+    from layercut.compress.errors import LayercutError
 
     for cfg in (config, config.get("text_config") or {}):
         for key in ("num_hidden_layers", "n_layer", "num_layers"):
@@ -114,8 +114,8 @@ def num_layers_of(config: dict) -> int:
 
 def selections(scores, methods: list[str], n: int) -> dict:
     """Layers each method would drop at count n (swap-kl is a diagnostic: no selection)."""
-    from compress.select import select_blocks, select_sublayers
-    from compress.select.cores import lowest
+    from layercut.compress.select import select_blocks, select_sublayers
+    from layercut.compress.select.cores import lowest
 
     out: dict = {}
     for m in methods:
@@ -134,10 +134,10 @@ def selections(scores, methods: list[str], n: int) -> dict:
 def run(config: ScoreConfig, source: str | Path, output: str | Path | None = None, env: RunEnv | None = None,
         plot: str | Path | None = None) -> dict:
     """Score ``source``'s layers; write the report to ``output`` (.json) and a PNG to ``plot`` if given."""
-    from compress.errors import LayercutError
-    from compress.models import resolve_model
-    from compress.select.stage import DATA_METHODS, LayerScores, _check_count, check_span, rankings
-    from compress.stages.base import torch_dtype
+    from layercut.compress.errors import LayercutError
+    from layercut.compress.models import resolve_model
+    from layercut.compress.select.stage import DATA_METHODS, LayerScores, _check_count, check_span, rankings
+    from layercut.compress.stages.base import torch_dtype
 
     env = env or RunEnv()
     start = time.perf_counter()
@@ -163,9 +163,9 @@ def run(config: ScoreConfig, source: str | Path, output: str | Path | None = Non
     scores = LayerScores(num_layers=layers, span=span)
     model = calib = None
     if data or "swap-kl" in methods:
-        from calibrate.data import calibration_batch
-        from compress.models import load_model, load_tokenizer
-        from compress.stages.base import load_streamed
+        from layercut.calibrate.data import calibration_batch
+        from layercut.compress.models import load_model, load_tokenizer
+        from layercut.compress.stages.base import load_streamed
 
         lazy = load_streamed(path, config.dtype, env, config.whole_model or "swap-kl" in methods, "score")
         if lazy is not None:  # the scores only need each block's inputs and outputs: one block at a time
@@ -177,14 +177,14 @@ def run(config: ScoreConfig, source: str | Path, output: str | Path | None = Non
                                   seed=0)
     timings = {}
     if data:
-        from compress.select import compute_scores
+        from layercut.compress.select import compute_scores
 
         t0 = time.perf_counter()
         scores = compute_scores(model, calib, span=span, methods=data, batch_size=config.batch_size,
                                 progress=env.progress)
         timings["capture_s"] = time.perf_counter() - t0
     if "gate-norm" in methods:
-        from compress.select import gate_norm_scores
+        from layercut.compress.select import gate_norm_scores
 
         t0 = time.perf_counter()
         scores.gate_norm = gate_norm_scores(path)  # from the files: no data, no model
@@ -192,7 +192,7 @@ def run(config: ScoreConfig, source: str | Path, output: str | Path | None = Non
         if len(scores.gate_norm) != layers:
             raise LayercutError(f"{path}: {len(scores.gate_norm)} attention layers in the files, config says {layers}")
     if "swap-kl" in methods:
-        from compress.select import swap_kl_scores
+        from layercut.compress.select import swap_kl_scores
 
         t0 = time.perf_counter()
         scores.swap_kl = swap_kl_scores(model, calib, samples=config.swap_samples, progress=env.progress)
@@ -207,7 +207,7 @@ def run(config: ScoreConfig, source: str | Path, output: str | Path | None = Non
     pending: list[tuple[Path, Path]] = []
     try:
         if plot_out is not None:
-            from compress.select import plot_scores
+            from layercut.compress.select import plot_scores
 
             highlight = {
                 "block_influence": chosen.get("block-influence", []),
@@ -238,7 +238,7 @@ def run(config: ScoreConfig, source: str | Path, output: str | Path | None = Non
 
 
 def _check_out(path: str | Path | None, suffix: str) -> Path | None:
-    from compress.errors import LayercutError
+    from layercut.compress.errors import LayercutError
 
     if path is None:
         return None
