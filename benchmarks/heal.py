@@ -15,10 +15,13 @@ Prints a table, writes ``benchmarks/results/heal.json`` and ``docs/results-heal.
 Students: the angular span (Gromov et al.) of 8 blocks chosen with ``layercut.compress.depth.prune``
 on ``--calib-samples`` × ``--calib-seq-len`` calibration tokens, removed by plain drop and
 by lstsq linear replacement (ReplaceMe). Each is healed with ``layercut.heal.train.heal_model``
-(LoRA through peft, token-level KD from the original on the fly); perplexity on ``--text``
+(LoRA through peft, token-level KD from the original: by default on the teacher's top-64 log-probs,
+cached in one teacher pass before training, as each run's recorded ``teacher_topk`` says); perplexity on ``--text``
 (default ``bundled:brown-test``, ctx 512, the first ``--max-tokens`` tokens) is measured before
 healing and at the listed steps of one run (constant LR after a 10-step warmup, so the
-step-N point is what an N-step run at that LR gives). All runs draw from the same
+step-N point is what an N-step run at that LR gives; ``schedule=cosine`` in a run's overrides
+decays over that run's own steps, so only its last point is an N-step run). Results merge into
+``--json-out``: stored runs of the same setup that this invocation does not rerun are kept. All runs draw from the same
 ``--samples`` heal sequences in the same order. Times exclude the evaluations; "CPU s" is
 ``time.process_time`` of the whole process (all threads), "wall s" is elapsed time.
 
@@ -46,10 +49,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from layercut.calibrate import DEFAULT_CALIB_TEXT, DEFAULT_EVAL_TEXT  # noqa: E402
-from layercut.compress.depth.prune import prune  # noqa: E402
 from layercut.compress.evaluate import evaluate  # noqa: E402
 from layercut.compress.models import load_model  # noqa: E402
+from layercut.compress.stages.prune import prune
+from layercut.heal import train as heal_train  # noqa: E402
 from layercut.heal.config import HealConfig  # noqa: E402
+from layercut.heal.data import build_topk_cache  # noqa: E402
 from layercut.heal.train import heal_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +68,7 @@ def parse_runs(text: str) -> list[dict]:
         overrides = {}
         for kv in filter(None, (rest[0] if rest else "").split(",")):
             key, value = kv.split("=")
-            overrides[key] = value if key in ("loss", "targets") else float(value) if "." in value or "e" in value else int(value)
+            overrides[key] = value if key in ("loss", "targets", "schedule") else float(value) if "." in value or "e" in value else int(value)
         runs.append({"name": name, "variant": variant, "points": [int(p) for p in points.split("/")],
                      "overrides": overrides})
     return runs
@@ -99,6 +104,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="bundled:smollm2-135m")
     ap.add_argument("--drop", type=int, default=8)
+    ap.add_argument("--select", default="angular", help="how the removed blocks are chosen (a `layercut prune "
+                                                         "--select` method; default %(default)s)")
     ap.add_argument("--calib-samples", type=int, default=32)
     ap.add_argument("--calib-seq-len", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -137,14 +144,14 @@ def main() -> None:
     ppl_teacher = evaluate(teacher, tok, **ev).ppl
     print(f"original ppl {ppl_teacher:.3f}", flush=True)
 
-    # The span is chosen once (angular, block 0 kept since linear replacement needs it) and both
+    # The blocks are chosen once (--select; block 0 kept since linear replacement needs it) and both
     # students remove the same blocks.
     students: dict[str, dict] = {}
     want_lstsq = any(r["variant"] == "lstsq" for r in runs)
     first, second = ("lstsq", "drop") if want_lstsq else ("drop", None)
     t0 = time.perf_counter()
     if not (work / first).exists():
-        prune(args.model, work / first, drop=args.drop, select="angular", replace="none" if first == "drop" else first,
+        prune(args.model, work / first, drop=args.drop, select=args.select, replace="none" if first == "drop" else first,
               samples=args.calib_samples, seq_len=args.calib_seq_len, progress=False)
     layers = json.loads((work / first / "layercut_prune.json").read_text())["layers"]
     students[first] = {"dir": work / first, "layers": layers, "prune_s": time.perf_counter() - t0}
@@ -160,10 +167,27 @@ def main() -> None:
         print(f"{name}: removed blocks {layers}, ppl {s['ppl']:.3f}", flush=True)
         del model
 
+    # Merge, never drop: runs stored in --json-out that this invocation does not rerun (same name,
+    # student and seed) are kept, provided they were measured on the same setup.
+    setup = {"model": args.model, "removed_blocks": layers, "select": args.select,
+             "eval": {"text": args.text, "ctx": args.ctx, "max_tokens": args.max_tokens},
+             "heal": {"seq_len": args.seq_len, "batch": args.batch, "samples": args.samples, "data": DEFAULT_CALIB_TEXT,
+                      "offset": HealConfig().offset}}
+    kept: list[dict] = []
+    if Path(args.json_out).is_file():
+        stored = json.loads(Path(args.json_out).read_text())
+        differ = [k for k, v in setup.items() if stored.get(k, "angular" if k == "select" else None) != v]
+        if differ:
+            sys.exit(f"error: {args.json_out} holds runs of another setup ({', '.join(differ)} differ); "
+                     "give another --json-out")
+        rerun = {(r["name"], r["variant"], r["overrides"].get("seed", 0)) for r in runs}
+        kept = [r for r in stored.get("runs", []) if (r["name"], r["variant"], r["config"].get("seed", 0)) not in rerun]
+        students = {**{k: v for k, v in stored.get("students", {}).items() if k not in students}, **students}
+
     def write_report(final: bool) -> None:
         """Write JSON and markdown; called after every run so an interrupted benchmark keeps what it has."""
         report = {
-            "model": args.model, "removed_blocks": layers, "select": "angular", "ppl_original": ppl_teacher,
+            "model": args.model, "removed_blocks": layers, "select": args.select, "ppl_original": ppl_teacher,
             "students": {k: {kk: (str(vv) if isinstance(vv, Path) else vv) for kk, vv in v.items()}
                          for k, v in students.items()},
             "eval": {"text": args.text, "ctx": args.ctx, "max_tokens": args.max_tokens},
@@ -171,7 +195,7 @@ def main() -> None:
                      "offset": HealConfig().offset},
             "planned_runs": [f"{r['name']} seed={r['overrides'].get('seed', 0)}" for r in runs],
             "threads": args.threads, "machine": f"{os.cpu_count()}-core CPU, shared with other jobs",
-            "runs": results, "total_wall_s": time.perf_counter() - t_start,
+            "runs": kept + results, "total_wall_s": time.perf_counter() - t_start,
             "command": "HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal.py " + " ".join(sys.argv[1:]),
         }
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -194,6 +218,14 @@ def main() -> None:
         record = {"name": run["name"], "variant": run["variant"], "config": cfg.model_dump(),
                   "ppl_before": student_info["ppl"], "points": []}
         clock = {"wall": time.perf_counter(), "cpu": time.process_time(), "eval_wall": 0.0, "eval_cpu": 0.0}
+        record["cache_cpu_s"] = 0.0  # the one-off teacher top-K cache build, part of train_cpu_s
+
+        def timed_cache(*a, record=record, **k):
+            c0 = time.process_time()
+            try:
+                return build_topk_cache(*a, **k)
+            finally:
+                record["cache_cpu_s"] += time.process_time() - c0
 
         def at_step(step: int, loss: float, model, run=run, record=record, clock=clock) -> None:
             if step not in run["points"]:
@@ -215,7 +247,11 @@ def main() -> None:
                   f"wall {train_wall / 60:6.1f} min  cpu {train_cpu / 60:6.1f} min  loss {loss:.4f}", flush=True)
 
         results.append(record)
-        result = heal_model(student, teacher, tok, cfg, progress=False, callback=at_step)
+        heal_train.build_topk_cache = timed_cache
+        try:
+            result = heal_model(student, teacher, tok, cfg, progress=False, callback=at_step)
+        finally:
+            heal_train.build_topk_cache = build_topk_cache
         record.update(losses=result.losses, trainable_params=result.trainable_params, tokens=result.tokens)
         del student, result
         write_report(final=False)
@@ -239,13 +275,15 @@ def markdown(r: dict) -> str:
     lines = [
         f"## Healing (LoRA KD) after removing {len(r['removed_blocks'])} blocks — {r['model']}",
         "",
-        f"Removed blocks {r['removed_blocks']} (angular span, `layercut prune --select angular`). Perplexity on "
+        f"Removed blocks {r['removed_blocks']} ({SELECT_WORDS.get(r.get('select', 'angular'), r.get('select'))}, "
+        f"`layercut prune --select {r.get('select', 'angular')}`). Perplexity on "
         f"`{text}`" + (f" ({role})" if role else "") + f", ctx {r['eval']['ctx']}, first {r['eval']['max_tokens']} "
         f"tokens (cut down to fit the CPU). Original ppl **{ppl0:.2f}**. Heal data: `{r['heal']['data']}` from "
         f"token {r['heal']['offset']:,} on, {r['heal']['samples']} sequences of {r['heal']['seq_len']} tokens, batch "
         f"{r['heal']['batch']}. Defaults below: LoRA rank {head.get('rank')} (alpha 2·rank) on all block linears, "
-        f"loss kd (KL(teacher ‖ student), teacher on the fly), AdamW lr {head.get('lr'):g} constant after a "
-        f"10-step warmup, no gradient checkpointing, {r['threads']} torch thread(s).",
+        f"loss {head.get('loss')} ({teacher_words(head)}), AdamW lr {head.get('lr'):g} {schedule_words(head)}, "
+        f"{'' if head.get('gradient_checkpointing') else 'no '}gradient checkpointing, {r['threads']} torch "
+        "thread(s). A run's settings that differ from these are named beside it.",
         "",
         f"Machine: {r['machine']}. Wall times are inflated and noisy when other jobs share it, and include any "
         "pause of the process; CPU time (`process_time`, the cost on an otherwise idle core) is the steadier "
@@ -283,14 +321,81 @@ def markdown(r: dict) -> str:
     not_run = [n for n in r.get("planned_runs", []) if n not in done]
     if not_run:
         lines += ["", f"Planned but not (yet) run: {', '.join(not_run)}."]
-    per_step = [p["train_cpu_s"] / p["step"] for run in r["runs"] for p in run["points"][-1:]]
-    if per_step:
-        lines += ["", f"CPU time per step ({r['heal']['batch']} × {r['heal']['seq_len']} tokens, teacher forward + "
-                  f"student forward/backward): {min(per_step):.1f}–{max(per_step):.1f} s."]
+    lines += per_step_lines(r)
     lines += ["", f"Reproduce: `{r['command']}` (total wall {r['total_wall_s'] / 3600:.1f} h). Re-render this page "
               "from the stored JSON: `.venv/bin/python benchmarks/heal.py --from-json JSON`.", ""]
     lines += NOTES
     return "\n".join(lines)
+
+
+SELECT_WORDS = {"angular": "angular span", "block-influence": "block influence"}
+
+
+def teacher_words(cfg: dict) -> str:
+    """How the run's config used the teacher, from the recorded ``loss`` and ``teacher_topk``."""
+    if cfg.get("loss") == "lm":
+        return "next-token loss only, no teacher"
+    kd = "KL(teacher ‖ student)" + (" + LM loss" if cfg.get("loss") == "kd+lm" else "")
+    k = cfg.get("teacher_topk")
+    if k:
+        return f"{kd} on the teacher's top-{k} log-probs and tail mass, cached in one teacher pass before training"
+    return f"{kd}, full teacher distributions, teacher run beside the student"
+
+
+def schedule_words(cfg: dict) -> str:
+    """The recorded schedule and warmup (warmup is a fraction of ``steps``; the trainer rounds it down)."""
+    steps, warmup = cfg.get("steps") or 0, cfg.get("warmup") or 0.0
+    n = int(warmup * steps)
+    sched = {"constant": "constant", "cosine": "cosine decay to 0"}.get(cfg.get("schedule"), cfg.get("schedule"))
+    return f"{sched} after a {n}-step linear warmup ({warmup:g} of {steps} steps)" if n else f"{sched}, no warmup"
+
+
+def per_step_lines(r: dict) -> list[str]:
+    """CPU seconds per step without the one-off teacher cache build.
+
+    From the stored cache time where the run recorded it (``cache_cpu_s``); otherwise from the
+    difference between two measured points of one run, which cancels the one-off cost; a run with
+    one point and no recorded cache time cannot be separated and is listed apart.
+    """
+    tokens = f"{r['heal']['batch']} × {r['heal']['seq_len']} tokens"
+    marginal, cached, mixed, no_teacher, how = [], [], [], [], set()
+    for run in r["runs"]:
+        pts = run["points"]
+        if not pts:
+            continue
+        if run["config"].get("loss") == "lm":
+            no_teacher.append((run, pts[-1]["train_cpu_s"] / pts[-1]["step"]))
+        elif "cache_cpu_s" in run:
+            how.add("the run's recorded cache time subtracted")
+            p = pts[-1]
+            marginal.append((p["train_cpu_s"] - run["cache_cpu_s"]) / p["step"])
+            if run["cache_cpu_s"]:
+                cached.append(run["cache_cpu_s"])
+        elif len(pts) > 1:
+            how.add("from the CPU time between a run's last two measured points, which cancels the one-off cost")
+            a, b = pts[-2], pts[-1]
+            marginal.append((b["train_cpu_s"] - a["train_cpu_s"]) / (b["step"] - a["step"]))
+            topk = run["config"].get("teacher_topk") and run["config"].get("loss") != "lm"
+            if topk:
+                cached.append(a["train_cpu_s"] - a["step"] * marginal[-1])
+        else:
+            mixed.append((run, pts[-1]["train_cpu_s"] / pts[-1]["step"]))
+    out = []
+    if marginal:
+        out += ["", f"CPU time per step ({tokens}, student forward/backward on the cached teacher targets), without "
+                f"the one-off teacher cache build ({'; '.join(sorted(how))}): {min(marginal):.1f}–{max(marginal):.1f} s."]
+        if cached:
+            out.append(f"The cache build itself (one teacher pass over all {r['heal']['samples']} heal sequences): "
+                       f"{min(cached):.0f}–{max(cached):.0f} CPU-s per run, included in the train CPU columns above.")
+    if mixed:
+        out += ["", f"CPU time per step ({tokens}) of the distillation runs, **including** the one-off teacher cache "
+                f"build (one teacher pass over all {r['heal']['samples']} heal sequences), which runs with one measured "
+                "point and no recorded cache time cannot separate: "
+                + ", ".join(f"{run['name']} {v:.1f} s" for run, v in mixed) + "."]
+    if no_teacher:
+        out += ["", "Without a teacher (LM loss, no cache), CPU time per step: "
+                + ", ".join(f"{run['name']} {v:.1f} s" for run, v in no_teacher) + "."]
+    return out
 
 
 def seed_summary(r: dict) -> list[str]:
@@ -326,8 +431,9 @@ NOTES = [
     "sees the held-out text (`bundled:brown-heldout`, `-val` and `-test` are refused as heal data). BOS is "
     "prepended to each window.",
     "- **Loss.** Token-level KL(teacher ‖ student) over every non-pad position, ×τ² (Hinton et al. 2015). "
-    "`--teacher-topk K` (default 64 since the real-size work; the stored heal.json runs predate it and ran the "
-    "full teacher beside the student, as `--teacher-topk 0` does) caches the teacher's top-K log-probs and the log of the remaining mass once, then "
+    "`--teacher-topk K` (default 64; each run's recorded `teacher_topk` says which form it used, and the "
+    "settings line above is rendered from it; `--teacher-topk 0` runs the full teacher beside the student) "
+    "caches the teacher's top-K log-probs and the log of the remaining mass once, then "
     "trains on the exact KL of the two distributions coarse-grained to K + 1 outcomes (the K tokens + one tail "
     "bucket). That is a lower bound of the full KL (log-sum inequality), equal at K = V; the student learns the "
     "teacher's top-K shape and tail mass, not the shape inside the tail. Cache memory: N·L·(8K + 4) bytes. "

@@ -184,8 +184,8 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
 
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             if stage == "heal":
-                from layercut.compress.stages.heal import HealConfig
                 from layercut.compress.stages.heal import run as run_heal
+                from layercut.heal.config import HealConfig
 
                 cfg = HealConfig(teacher=str(path), steps=2, samples=2, seq_len=64, batch_size=1, rank=4, data_offset=0)
                 run_heal(cfg, str(path), Path(tmp) / "out", env=RunEnv(progress=False))

@@ -280,7 +280,7 @@ def child_fp(args, work: Path) -> dict:
 
 def child_ours(args, work: Path, name: str, spec: dict, seed: int) -> dict:
     from layercut.compress.models import load_tokenizer
-    from layercut.compress.quant.run import quantize_checkpoint
+    from layercut.compress.stages.quantize import quantize_checkpoint
 
     out = work / f"{name}-seed{seed}"
     sens = spec.get("sensitivity") or _best_proxy(args)
@@ -372,8 +372,8 @@ def child_gptqmodel(args, work: Path, name: str, spec: dict, seed: int) -> dict:
 def child_sensitivity(args, work: Path) -> dict:
     from layercut.calibrate.data import CalibSet, calibration_batch
     from layercut.compress.models import load_model
+    from layercut.compress.quant.driver import QuantConfig
     from layercut.compress.quant.sensitivity import allocation_units, measure_sensitivity, rank_correlation
-    from layercut.compress.quant.stage import QuantConfig
 
     model, tok = load_model(MODEL)
     full = calibration_batch(tok, DEFAULT_CALIB_TEXT, samples=args.samples, seq_len=args.seq_len, seed=0)

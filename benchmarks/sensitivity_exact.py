@@ -65,8 +65,7 @@ from layercut.calibrate.data import CalibSet, load_texts, token_stream  # noqa: 
 from layercut.compress.arch import arch_for, get_submodule  # noqa: E402
 from layercut.compress.errors import LayercutError  # noqa: E402
 from layercut.compress.quant.allocate import _solve_dp, unit_cost  # noqa: E402
-from layercut.compress.quant.sensitivity import AllocUnit, allocation_units, rank_correlation  # noqa: E402
-from layercut.compress.quant.stage import (  # noqa: E402
+from layercut.compress.quant.driver import (  # noqa: E402
     HessianSet,
     QuantConfig,
     check_model,
@@ -75,6 +74,7 @@ from layercut.compress.quant.stage import (  # noqa: E402
     set_weight,
     solve_group,
 )
+from layercut.compress.quant.sensitivity import AllocUnit, allocation_units, rank_correlation  # noqa: E402
 
 JSON_PATH = ROOT / "benchmarks" / "results" / "sensitivity_exact.json"
 DOC_PATH = ROOT / "docs" / "results-mixed.md"

@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from layercut.compress.errors import LayercutError
+from layercut.compress.errors import LayercutError, unknown_key_message
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 BUNDLED_TEXTS = {name: f"{name}.txt.gz"
@@ -69,8 +69,6 @@ class TextSource(BaseModel):
         if isinstance(data, str):  # a bare string in a list of sources
             return {"source": data}
         if isinstance(data, dict):
-            from layercut.compress.stages.base import unknown_key_message
-
             unknown = [k for k in data if k not in cls.model_fields]
             if unknown:
                 raise ValueError(unknown_key_message(str(unknown[0]), list(cls.model_fields)))

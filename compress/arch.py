@@ -199,3 +199,24 @@ def generic_spec(model: nn.Module) -> ArchSpec:
     if has_post_norm:
         spec = replace(spec, post_mlp_norm=True, mlp_out="post_feedforward_layernorm")
     return spec
+
+
+def target_linears(model: nn.Module, spec: ArchSpec | None = None) -> list[tuple[int, int, str, nn.Module]]:
+    """(block index, group index, full name, module) of every linear GPTQ quantizes, forward order."""
+    spec = spec or arch_for(model)
+    prefix = spec.layers_path()
+    out = []
+    for i, block in enumerate(spec.layers_of(model)):
+        for g, group in enumerate(spec.groups):
+            for path in group:
+                out.append((i, g, f"{prefix}.{i}.{path}", get_submodule(block, path)))
+    return out
+
+
+def count_params(model: nn.Module) -> int:
+    """Parameters, counting each quantized linear's logical in×out weights once."""
+    total = sum(p.numel() for p in model.parameters())
+    for module in model.modules():
+        if hasattr(module, "qweight") and hasattr(module, "in_features"):
+            total += module.in_features * module.out_features
+    return total

@@ -36,7 +36,7 @@ class Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line as one ``error:`` line (exit 2), with a suggestion."""
 
     def error(self, message: str):  # noqa: D401 - argparse's hook
-        from layercut.compress.stages.base import closest
+        from layercut.compress.errors import closest
 
         bad = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
         if bad:
@@ -82,7 +82,7 @@ def build_parser() -> Parser:
 
 def parse(parser: Parser, argv: list[str] | None) -> argparse.Namespace:
     """Parse; an unknown flag is one error line naming the closest flag of that command."""
-    from layercut.compress.stages.base import closest
+    from layercut.compress.errors import closest
 
     args, extra = parser.parse_known_args(argv)
     if extra:

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from layercut.calibrate import DEFAULT_EVAL_TEXT
 from layercut.calibrate.data import load_texts
 from layercut.calibrate.sources import TextSource
+from layercut.compress.arch import count_params
 from layercut.compress.errors import LayercutError
 from layercut.compress.models import load_model, resolve_model, weight_bytes
 
@@ -81,15 +82,6 @@ def make_windows(tokens: torch.Tensor, ctx: int, bos: int | None) -> list[tuple[
     return windows
 
 
-def count_params(model: torch.nn.Module) -> int:
-    """Parameters, counting each quantized linear's logical in×out weights once."""
-    total = sum(p.numel() for p in model.parameters())
-    for module in model.modules():
-        if hasattr(module, "qweight") and hasattr(module, "in_features"):
-            total += module.in_features * module.out_features
-    return total
-
-
 @torch.no_grad()
 def _window_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     """Log-probs predicting tokens 1.. of each row: ids [B, S] -> [B, S-1, V] float32."""
@@ -118,7 +110,7 @@ def evaluate(
     groups = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
     for group in tqdm(groups, desc="eval", unit="batch", disable=not progress):
         # Same-length windows batch together; the short tail window runs alone.
-        for chunk in _same_length(group):
+        for chunk in same_length(group):
             ids = torch.stack([w for w, _ in chunk])
             targets = ids[:, 1:]
             start = time.perf_counter()
@@ -150,7 +142,7 @@ def evaluate(
     )
 
 
-def _same_length(group: list[tuple[torch.Tensor, int]]) -> list[list[tuple[torch.Tensor, int]]]:
+def same_length(group: list[tuple[torch.Tensor, int]]) -> list[list[tuple[torch.Tensor, int]]]:
     chunks: dict[int, list] = {}
     for item in group:
         chunks.setdefault(item[0].numel(), []).append(item)

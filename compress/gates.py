@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from layercut.compress.errors import GateFailed, LayercutError
-from layercut.compress.stages.base import parse_fraction
+from layercut.compress.options import parse_fraction
 
 
 @dataclass

@@ -54,10 +54,10 @@ class TensorIndex:
     """Which shard holds each tensor of a safetensors checkpoint; reads one tensor at a time."""
 
     def __init__(self, folder: str | os.PathLike) -> None:
-        from layercut.compress.models import _check_weights
+        from layercut.compress.models import check_weights
 
         self.folder = Path(folder)
-        _check_weights(self.folder)  # missing shards, unknown tensors, truncation: one clear error
+        check_weights(self.folder)  # missing shards, unknown tensors, truncation: one clear error
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
             self.where = dict(json.loads(index.read_text())["weight_map"])
@@ -196,7 +196,7 @@ class LazyModel:
         for name, param in list(module.named_parameters(recurse=True)):
             if not param.is_meta:
                 _set_param(module, name, torch.empty_like(param, device="meta"))
-        _trim_heap()
+        trim_heap()
 
     def block(self, index: int) -> nn.Module:
         return self.materialize(self.block_path(index))
@@ -242,7 +242,7 @@ class LazyModel:
         return paths
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Give freed heap pages back to the OS (glibc keeps them after a block's tensors are freed)."""
     global _LIBC
     if _LIBC is None:
@@ -271,3 +271,22 @@ def _set_param(root: nn.Module, name: str, value: torch.Tensor) -> None:
 def lazy_of(model: nn.Module) -> LazyModel | None:
     """The :class:`LazyModel` behind ``model``, if it was built lazily."""
     return getattr(model, "_layercut_lazy", None)
+
+
+def stream_blocker(path: Path) -> str | None:
+    """Why ``path`` cannot be streamed block by block, or None when it can."""
+    import json
+
+    from layercut.compress.arch import spec_for_model_type
+
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "its config.json is unreadable"
+    if cfg.get("quantization_config"):
+        return "it is a quantized checkpoint"
+    if cfg.get("auto_map"):
+        return "it ships its own modeling code"
+    if spec_for_model_type(str(cfg.get("model_type"))) is None:
+        return f"model type '{cfg.get('model_type')}' is not in layercut's architecture table"
+    return None

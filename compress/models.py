@@ -226,7 +226,7 @@ def load_model(
 
         model = load_quantized(path, dtype=dtype, device=device)
     else:
-        _check_weights(path)
+        check_weights(path)
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
@@ -240,7 +240,7 @@ def load_model(
     return model, tokenizer
 
 
-def _check_weights(path: Path) -> None:
+def check_weights(path: Path) -> None:
     """Refuse pickles, corrupt or truncated safetensors and broken shard indexes before loading."""
     from safetensors import safe_open
 

@@ -44,7 +44,7 @@ from layercut.compress.errors import GateFailed, LayercutError
 from layercut.compress.recipe import Recipe
 from layercut.compress.resources import PeakRSS
 from layercut.compress.stages import stage_module
-from layercut.compress.stages.base import RunEnv
+from layercut.compress.stages.base import RunEnv, quality_report
 from layercut.export.checkpoint import atomic_dir, check_output_dir
 from layercut.export.export import probe_writable
 
@@ -322,21 +322,6 @@ def _report(recipe: Recipe, out: Path, source: Path, records: list[dict], comple
         "total_cpu_s": round(sum(r.get("cpu_s", 0.0) for r in records), 3),
         "stages": records,
     }
-
-
-def quality_report(report: dict) -> dict:
-    """The run report without timings, RSS and speed: what goes inside the checkpoint."""
-    volatile = {"wall_s", "cpu_s", "peak_rss_mb", "rss_method", "total_wall_s", "total_cpu_s", "seconds",
-                "tokens_per_s", "source", "input"}
-
-    def strip(x):
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if k not in volatile}
-        if isinstance(x, list):
-            return [strip(v) for v in x]
-        return x
-
-    return strip(report)
 
 
 def _finalize_export(recipe: Recipe, out: Path, source: Path, report: dict) -> None:

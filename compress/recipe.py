@@ -33,15 +33,15 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from layercut.compress.errors import LayercutError
+from layercut.compress.errors import BOUNDS, LayercutError, unknown_key_message
+from layercut.compress.options import StageConfig
 from layercut.compress.stages import config_types
-from layercut.compress.stages.base import StageConfig, unknown_key_message
 from layercut.compress.stages.eval import EvalConfig
 from layercut.compress.stages.export import ExportConfig
-from layercut.compress.stages.heal import HealConfig
 from layercut.compress.stages.prune import PruneConfig
 from layercut.compress.stages.quantize import QuantizeConfig
 from layercut.compress.stages.score import ScoreConfig
+from layercut.heal.config import HealConfig
 
 RECIPE_VERSION = 1
 STAGE_TYPES = config_types()
@@ -160,7 +160,7 @@ class Recipe(StageConfig):
 
 
 def _unknown_stage(name: Any) -> str:
-    from layercut.compress.stages.base import closest
+    from layercut.compress.errors import closest
 
     near = closest(str(name), list(STAGE_TYPES))
     return f"unknown stage '{name}'" + (f", did you mean '{near}'?" if near else "") + \
@@ -229,18 +229,14 @@ def format_validation_error(exc: ValidationError, data: Any) -> str:
     elif err["type"] == "extra_forbidden":  # our before-validator normally catches these first
         parent, _, key = loc.rpartition(".")
         msg, loc = f"unknown key '{key}'", parent
-    elif err["type"] in _BOUNDS:  # "stages[0].heal.steps must be >= 1 (got 0)"
-        op, key = _BOUNDS[err["type"]]
+    elif err["type"] in BOUNDS:  # "stages[0].heal.steps must be >= 1 (got 0)"
+        op, key = BOUNDS[err["type"]]
         return f"{loc} must be {op} {err['ctx'][key]:g} (got {err['input']!r})"
     elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
         msg = f"{msg} (got {err['input']!r})"
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     prefix = f"{loc}: " if loc and not msg.startswith(loc) else ""
     return f"{prefix}{msg}{more}"
-
-
-_BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"),
-           "less_than": ("<", "lt")}
 
 
 class _Dumper(yaml.SafeDumper):

@@ -35,7 +35,7 @@ from layercut.calibrate import DEFAULT_EVAL_TEXT
 from layercut.calibrate.capture import run_blocks
 from layercut.calibrate.sources import TextSource
 from layercut.compress.errors import LayercutError
-from layercut.compress.evaluate import EvalResult, _same_length, eval_tokens, make_windows, text_name
+from layercut.compress.evaluate import EvalResult, eval_tokens, make_windows, same_length, text_name
 from layercut.compress.lazy import LazyModel
 from layercut.compress.models import load_tokenizer, resolve_model, weight_bytes
 
@@ -55,7 +55,7 @@ class WindowBatches:
 
 def window_chunks(windows: list[tuple[torch.Tensor, int]], batch_size: int) -> list[torch.Tensor]:
     groups = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
-    return [torch.stack([w for w, _ in chunk]) for group in groups for chunk in _same_length(group)]
+    return [torch.stack([w for w, _ in chunk]) for group in groups for chunk in same_length(group)]
 
 
 def last_block_outputs(lazy: LazyModel, batches: WindowBatches, device: str | torch.device | None,

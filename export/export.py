@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from layercut.compress.errors import LayercutError
-from layercut.compress.stages.base import check_size, torch_dtype
+from layercut.compress.options import torch_dtype
+from layercut.compress.units import check_size
 from layercut.export.checkpoint import atomic_dir, check_output_dir
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -147,7 +148,7 @@ def write_export_into(
     quantized = is_quantized(src)
     lazy = None
     if stream and not quantized and not trust_remote_code:
-        from layercut.compress.stages.base import stream_blocker
+        from layercut.compress.lazy import stream_blocker
 
         if stream_blocker(src) is None:
             from layercut.compress.lazy import LazyModel

@@ -25,20 +25,10 @@ from pathlib import Path
 
 import torch
 
+from layercut.compress.units import parse_size
+
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-
-
-def parse_size(size: str | int) -> int:
-    """``"2GB"``, ``"500MB"``, ``"64KiB"`` or a byte count, as bytes."""
-    if isinstance(size, int):
-        return size
-    text = size.strip().upper()
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
 
 
 _ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from layercut.compress.errors import LayercutError
+from layercut.compress.options import StageConfig
 from layercut.compress.recipe import Recipe
-from layercut.compress.stages.base import StageConfig
 from layercut.compress.stages.eval import EvalConfig
 from layercut.compress.stages.export import ExportConfig
-from layercut.compress.stages.heal import HealConfig
 from layercut.compress.stages.prune import PruneConfig
 from layercut.compress.stages.quantize import QuantizeConfig
 from layercut.compress.stages.score import ScoreConfig
+from layercut.heal.config import HealConfig
 
 __all__ = ["load", "score", "prune", "heal", "quantize", "evaluate", "export", "run"]
 
@@ -29,7 +29,7 @@ def _config(cls: type[StageConfig], config: StageConfig | None, options: dict[st
     """``config`` (updated with ``options``) or ``cls(**options)``; one-line LayercutError if invalid."""
     from pydantic import ValidationError
 
-    from layercut.compress.stages.flags import format_error
+    from layercut.compress.errors import format_error
 
     try:
         if config is None:
@@ -47,7 +47,7 @@ def load(model: str | os.PathLike, dtype: str = "fp32", device: str = "cpu", tru
     ``dtype``: auto (the checkpoint's own), bf16, fp16 or fp32.
     """
     from layercut.compress.models import load_model, resolve_model
-    from layercut.compress.stages.base import torch_dtype
+    from layercut.compress.options import torch_dtype
 
     path = resolve_model(model)
     return load_model(path, dtype=torch_dtype(dtype, path), device=device, trust_remote_code=trust_remote_code)
@@ -61,7 +61,7 @@ def score(model, tokenizer, config: ScoreConfig | None = None, progress: bool = 
     from layercut.calibrate.data import calibration_batch
     from layercut.compress.arch import arch_for
     from layercut.compress.select import compute_scores
-    from layercut.compress.select.stage import DATA_METHODS, rankings
+    from layercut.compress.select.driver import DATA_METHODS, rankings
     from layercut.compress.stages.score import parse_methods, selections
 
     cfg = _config(ScoreConfig, config, options)

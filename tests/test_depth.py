@@ -52,19 +52,25 @@ def test_lstsq_map_is_the_least_squares_solution():
     assert torch.isfinite(lstsq_map(rank1, rank1, alpha=0.0)).all()
 
 
-def test_cosine_map_improves_on_identity():
+def test_cosine_map_recovers_a_linear_map():
+    """The target is an exact linear image M R of the inputs, so the fit, started at T = I, must
+    find R: the simplified objective fixes it up to scale, the unsimplified one (with the offset
+    Y) fixes it exactly. Measured: loss 5e-7 and cos(T, R) 0.9999995 after 150 steps; 0.0010 after
+    300 steps with the offset. Red if the fit returned its identity start (loss 0.90), applied
+    the map transposed (cos(T, R) 0.38), or ignored the offset (loss 0.060)."""
     torch.manual_seed(0)
     m = torch.randn(512, 8)
-    target = m @ torch.randn(8, 8)
-    before = mean_cosine_loss(m, target)
+    r = torch.randn(8, 8)
+    target = m @ r
+    assert mean_cosine_loss(m, target) > 0.5  # identity is far from the optimum
     t = cosine_map(m, target, steps=150, lr=2e-2, batch_tokens=256)
-    assert mean_cosine_loss(m, target, t) < 0.25 * before
+    assert mean_cosine_loss(m, target, t) < 1e-4
+    assert float(torch.nn.functional.cosine_similarity(t.flatten(), r.flatten(), dim=0)) > 0.999
     # unsimplified objective: cos(Y + M T, L)
     y = torch.randn(512, 8)
-    t_full = cosine_map(m, y + target, steps=150, lr=2e-2, batch_tokens=256, offset=y)
-    assert mean_cosine_loss(m, y + target, t_full, offset=y) < 0.25 * mean_cosine_loss(m, y + target, offset=y)
-    # starting at the optimum (target = M), Adam's unit-size steps keep it near zero loss
-    assert mean_cosine_loss(m, m, cosine_map(m, m.clone(), steps=20, lr=1e-3)) < 1e-3
+    assert mean_cosine_loss(m, y + target, offset=y) > 0.5
+    t_full = cosine_map(m, y + target, steps=300, lr=2e-2, batch_tokens=256, offset=y)
+    assert mean_cosine_loss(m, y + target, t_full, offset=y) < 0.01
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -462,7 +468,7 @@ def test_real_model_prune_outputs_load(tmp_path):
     """SmolLM2: block drop loads in stock transformers; attention drop (gate-norm) with remote code."""
     from transformers import AutoModelForCausalLM
 
-    from layercut.compress.depth.prune import prune
+    from layercut.compress.stages.prune import prune
 
     blocks = prune("bundled:smollm2-135m", tmp_path / "blocks", layers="12-17,25,26", progress=False)
     assert blocks["num_layers_after"] == 22

@@ -50,7 +50,7 @@ def test_single_shard_gets_an_index(tiny_model_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def quantized(tiny_model_dir, tmp_path_factory):
-    from layercut.compress.quant.run import quantize_checkpoint
+    from layercut.compress.stages.quantize import quantize_checkpoint
 
     out = tmp_path_factory.mktemp("q") / "q4"
     quantize_checkpoint(str(tiny_model_dir("llama")), out, bits=4, group_size=32, samples=4, seq_len=32,

@@ -37,7 +37,7 @@ def test_check_and_enforce():
 
 @pytest.fixture(scope="module")
 def pruned(tiny_model_dir, tmp_path_factory):
-    from layercut.compress.depth.prune import prune
+    from layercut.compress.stages.prune import prune
 
     out = tmp_path_factory.mktemp("gates") / "pruned"
     prune(str(tiny_model_dir("llama")), out, layers=[4], progress=False)

@@ -148,12 +148,18 @@ def test_bits_2_and_8():
 def test_lazy_block_updates_do_not_change_the_math(group_size, static_groups):
     # (with dynamic groups smaller than a block the reference convention computes group
     # parameters from not-yet-updated weights, so only these settings are block-invariant)
+    # The lazy batch only reorders float sums: measured, every code, scale and zero is equal for
+    # block sizes 1, 48 and 127 (loss within 3e-8). At most 2 of the 6,144 codes may flip on a
+    # rounding tie elsewhere; red if one column missed the lazy update (`W[:, i2:-1] -= ...`
+    # instead of `W[:, i2:]`: 29–32 codes differ, which the old "99% equal" check let pass).
     W, _, H = _layer(9)
     a = gptq_quantize(W, H, 3, group_size, static_groups=static_groups, block_size=128)
-    for bs in (1, 48):  # 1: no lazy batching at all; 48: blocks not aligned with groups
+    for bs in (1, 48, 127):  # 1: no lazy batching at all; 48: blocks not aligned with groups
         b = gptq_quantize(W, H, 3, group_size, static_groups=static_groups, block_size=bs)
-        assert float((a.q == b.q).float().mean()) > 0.99
-        assert a.loss == pytest.approx(b.loss, rel=1e-3)
+        assert int((a.q != b.q).sum()) <= 2, (bs, int((a.q != b.q).sum()))
+        torch.testing.assert_close(b.scales, a.scales, rtol=1e-6, atol=0)
+        assert torch.equal(a.g_idx, b.g_idx)
+        assert a.loss == pytest.approx(b.loss, rel=1e-5)
 
 
 def test_nonnegative_group_keeps_zero_point_above_zero():
@@ -273,7 +279,7 @@ def test_overwrite_h_solves_in_place_with_identical_results(order):
 
 
 def test_solve_group_overwrite_keeps_the_undamped_losses():
-    from layercut.compress.quant.stage import QuantConfig, solve_group
+    from layercut.compress.quant.driver import QuantConfig, solve_group
 
     W, _, H = _layer(12)
     cfg = QuantConfig(bits=4, group_size=32)
@@ -336,7 +342,7 @@ def test_results_built_in_row_slices_equal_whole_tensor_ops(monkeypatch):
 
 
 def test_solve_group_box_is_emptied_and_the_config_checks_its_dtype():
-    from layercut.compress.quant.stage import QuantConfig, solve_group
+    from layercut.compress.quant.driver import QuantConfig, solve_group
 
     W, _, H = _layer(17)
     box = [H.clone()]

@@ -412,7 +412,7 @@ def test_heal_model_refuses_foreign_teacher(tiny_tokenizer, tmp_path):
 
 def test_cli_heal_quantized_checkpoint(tiny_model_dir, tmp_path, capsys):
     """A GPTQ checkpoint from layercut's quantizer: trained over dequantized layers, adapter kept."""
-    from layercut.compress.quant.run import quantize_checkpoint
+    from layercut.compress.stages.quantize import quantize_checkpoint
 
     src = tiny_model_dir("llama")
     qdir = tmp_path / "q4"

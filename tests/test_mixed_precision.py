@@ -14,6 +14,7 @@ import shutil
 import pytest
 import torch
 
+from layercut.compress.arch import target_linears
 from layercut.compress.cli import main
 from layercut.compress.errors import LayercutError
 from layercut.compress.quant.allocate import (
@@ -24,10 +25,10 @@ from layercut.compress.quant.allocate import (
     uniform_avg_bits,
 )
 from layercut.compress.quant.checkpoint import dynamic_overrides, resolve_dynamic, save_quantized
+from layercut.compress.quant.driver import QuantConfig, quantize_model
 from layercut.compress.quant.loader import load_quantized
 from layercut.compress.quant.mixed import DEFAULT_CANDIDATES, TWO_BIT_CANDIDATES, resolve_candidates
 from layercut.compress.quant.sensitivity import allocation_units, measure_sensitivity
-from layercut.compress.quant.stage import QuantConfig, quantize_model, target_linears
 from layercut.compress.stages.quantize import QuantizeConfig
 from tests.test_quantize import ATOL, _calib, _probe, small_model
 

@@ -14,8 +14,9 @@ import torch
 from conftest import build_tiny_model
 
 from layercut.compress.errors import LayercutError
-from layercut.compress.models import _check_weights, load_model, resolve_model
-from layercut.export.shards import INDEX, SINGLE, ShardWriter, parse_size
+from layercut.compress.models import check_weights, load_model, resolve_model
+from layercut.compress.units import check_size, parse_size
+from layercut.export.shards import INDEX, SINGLE, ShardWriter
 
 
 def _save_sharded(model, tokenizer, folder: Path, max_bytes: int) -> list[Path]:
@@ -33,6 +34,25 @@ def test_parse_size():
     assert parse_size("2GB") == 2 * 10**9
     assert parse_size("64KiB") == 64 * 1024
     assert parse_size(123) == 123
+    assert parse_size("1TB") == 10**12 and parse_size("1.5 GiB") == 3 * 2**29
+
+
+@pytest.mark.parametrize("text", ["1TB", "2TiB", "500mb", "1.5 GB", "64KiB", "7B"])
+def test_every_size_that_validates_is_one_the_writer_reads(text, tmp_path):
+    """``--max-shard-size 1TB`` passed validation, then the shard writer's own parser raised."""
+    assert check_size(text) == text.strip()
+    with ShardWriter(tmp_path / text.replace(" ", ""), text) as writer:
+        assert writer.max_bytes == parse_size(text) > 0
+        writer.add("w", torch.zeros(2))
+
+
+@pytest.mark.parametrize("text", ["40", "2 GBs", "-1GB", "0MB", "1.2.3GB", "GB"])
+def test_malformed_sizes_are_rejected_by_both(text):
+    with pytest.raises(ValueError, match="is not like 500MB"):
+        check_size(text)
+    if not text.isdigit():
+        with pytest.raises(ValueError):
+            parse_size(text)
 
 
 def test_shard_writer_round_trip(tmp_path, tiny_tokenizer):
@@ -82,7 +102,7 @@ def test_index_names_tensor_no_shard_holds(sharded_dir):
     index["weight_map"]["model.layers.99.mlp.up_proj.weight"] = first
     (sharded_dir / INDEX).write_text(json.dumps(index))
     with pytest.raises(LayercutError, match="names tensor model.layers.99.mlp.up_proj.weight"):
-        _check_weights(sharded_dir)
+        check_weights(sharded_dir)
 
 
 def test_truncated_shard(sharded_dir):

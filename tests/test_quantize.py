@@ -16,20 +16,21 @@ import pytest
 import torch
 
 from layercut.calibrate.data import CalibSet, calibration_batch
+from layercut.compress.arch import target_linears
 from layercut.compress.cli import main
 from layercut.compress.errors import LayercutError
 from layercut.compress.quant.checkpoint import dynamic_overrides, resolve_dynamic, save_quantized
+from layercut.compress.quant.driver import QuantConfig, quantize_model
 from layercut.compress.quant.loader import load_quantized
 from layercut.compress.quant.pack import dequantize_gptq
 from layercut.compress.quant.qlinear import QuantLinear
-from layercut.compress.quant.run import quantize_checkpoint
 from layercut.compress.quant.sensitivity import (
     allocation_units,
     expand_bits,
     measure_sensitivity,
     rank_correlation,
 )
-from layercut.compress.quant.stage import QuantConfig, quantize_model, target_linears
+from layercut.compress.stages.quantize import quantize_checkpoint
 from tests.conftest import tiny_config
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from layercut.calibrate.data import calibration_batch
 from layercut.compress.arch import arch_for
-from layercut.compress.quant.stage import QuantConfig, linear_weight, quantize_model, set_weight
+from layercut.compress.quant.driver import QuantConfig, linear_weight, quantize_model, set_weight
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -374,10 +374,11 @@ def test_quantized_tiny_model_through_triton(tiny_tokenizer, tmp_path, monkeypat
     from transformers import AutoModelForCausalLM
 
     from layercut.calibrate.data import calibration_batch
+    from layercut.compress.arch import target_linears
     from layercut.compress.quant.checkpoint import save_quantized
+    from layercut.compress.quant.driver import QuantConfig, quantize_model
     from layercut.compress.quant.loader import load_quantized
     from layercut.compress.quant.qlinear import QuantLinear
-    from layercut.compress.quant.stage import QuantConfig, quantize_model, target_linears
     from tests.conftest import tiny_config
 
     cfg = tiny_config("llama")
@@ -406,8 +407,8 @@ def test_smollm2_rtn_g64_through_triton(tmp_path, monkeypatch):
     Triton in the interpreter give the reference path's logits."""
     from layercut.compress.models import load_model
     from layercut.compress.quant.checkpoint import save_quantized
+    from layercut.compress.quant.driver import QuantConfig, quantize_model
     from layercut.compress.quant.loader import load_quantized
-    from layercut.compress.quant.stage import QuantConfig, quantize_model
 
     model, tok = load_model("bundled:smollm2-135m")
     res = quantize_model(model, None, QuantConfig(bits=4, group_size=64, method="rtn"), progress=False)

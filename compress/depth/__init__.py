@@ -3,7 +3,7 @@
 Usage::
 
     from layercut.compress.depth import drop_blocks, drop_sublayers, linear_replace, fuse_blocks
-    from layercut.compress.depth.prune import prune     # the stage (``layercut.compress.depth.prune`` is the module)
+    from layercut.compress.stages.prune import prune    # the stage, with keywords
     drop_blocks(model, [12, 13])                                  # in place, stock config
     pruned = drop_sublayers(model, [4, 7], "attention")           # needs trust_remote_code to reload
     linear_replace(model, [12, 13, 25], calib, method="lstsq")    # ReplaceMe, one map per span
@@ -13,7 +13,7 @@ Usage::
     layercut prune MODEL -o OUT --drop 8 --select block-influence --replace lstsq
 
 Modules: ``cores`` (tensor formulas), ``blocks``, ``sublayers`` (+ ``templates/``),
-``replace``, ``fuse``, ``prune`` (the stage behind the CLI).
+``replace``, ``fuse``, ``prune`` (checks, selection and the transform the prune stage calls).
 """
 
 import importlib

@@ -1,12 +1,12 @@
-"""The depth stage: pick layers, remove them (drop / linear replace / fuse), write a checkpoint.
+"""The depth algorithm: pick layers, remove them (drop / linear replace / fuse), write a checkpoint.
 
 Usage::
 
-    from layercut.compress.depth.prune import prune
+    from layercut.compress.stages.prune import prune     # the stage, with keywords
     report = prune("bundled:smollm2-135m", "out/cut8", drop=8, select="block-influence", replace="lstsq")
 
 The stage itself (config, validation, report) is :mod:`layercut.compress.stages.prune`; this
-module holds the checks and the transform core it calls.
+module holds the checks and the transform core it calls, and imports no stage.
 
     layercut prune bundled:smollm2-135m -o out/cut8 --drop 8 --select block-influence --replace lstsq
     layercut prune MODEL -o OUT --layers 12-17,25,26                       # explicit blocks
@@ -156,10 +156,6 @@ def transform_name(replace: str, fuse: bool, fuse_calibrate: bool) -> str:
     return "drop" if replace == "none" else f"replace-{replace}"
 
 
-def _params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def prune_model(model: nn.Module, layers: list[int], what: str = "block", replace: str = "none", fuse: bool = False,
                 calib=None, batch_size: int = 8, progress: bool = True, **replace_kwargs) -> tuple[nn.Module, dict]:
     """Apply one depth transform; returns (model, details). Block transforms work in place."""
@@ -178,23 +174,3 @@ def prune_model(model: nn.Module, layers: list[int], what: str = "block", replac
         groups = fuse_blocks(model, layers, calib=calib, batch_size=batch_size, progress=progress)
         return model, {"fuse_groups": [g.to_dict() for g in groups]}
     return drop_blocks(model, layers), {}
-
-
-def prune(model_spec: str, output: str | Path, *, overwrite: bool = False, progress: bool = True,
-          **options) -> dict:
-    """Load ``model_spec``, prune it, write a checkpoint to ``output``; return a report.
-
-    ``options`` are :class:`layercut.compress.stages.prune.PruneConfig`'s (``drop``, ``select``,
-    ``layers``, ``replace``, ...); this is :func:`layercut.compress.stages.prune.run` with keywords.
-    """
-    from pydantic import ValidationError
-
-    from layercut.compress.stages.base import RunEnv
-    from layercut.compress.stages.flags import format_error
-    from layercut.compress.stages.prune import PruneConfig, run
-
-    try:
-        config = PruneConfig(**options)
-    except ValidationError as exc:
-        raise LayercutError(format_error(exc)) from None
-    return run(config, model_spec, output, RunEnv(overwrite=overwrite, progress=progress))

@@ -47,7 +47,8 @@ import torch
 from torch import Tensor
 
 from layercut.compress.errors import LayercutError
-from layercut.compress.quant.pack import SUPPORTED_BITS, dequantize_gptq, packed_rows
+from layercut.compress.quant.pack import dequantize_gptq, packed_rows
+from layercut.compress.quant.result import SUPPORTED_BITS
 
 ACT_ORDER = 0  # group_size value meaning "read g_idx per input"
 MODES = ("reference", "triton", "cuda")  # values of $LAYERCUT_KERNELS (besides unset / "auto")

@@ -86,7 +86,7 @@ def candidate_label(c: Candidate) -> str:
     return f"{c[0]}ch" if c[1] == -1 else f"{c[0]}g{c[1]}"
 
 
-def _order(c: Candidate) -> tuple[int, float]:
+def candidate_order(c: Candidate) -> tuple[int, float]:
     """Ascending bits, then ascending overhead (per channel is the cheapest group size)."""
     return c[0], (0.0 if c[1] == -1 else 1.0 / c[1])
 
@@ -155,7 +155,7 @@ class Allocation:
         out: dict[Candidate, int] = {}
         for c in self.choice.values():
             out[c] = out.get(c, 0) + 1
-        return {candidate_label(c): out[c] for c in sorted(out, key=_order)}
+        return {candidate_label(c): out[c] for c in sorted(out, key=candidate_order)}
 
 
 def unit_cost(n_weights: int, bits: int, group_size: int, n_groups: int | None = None) -> int:
@@ -181,7 +181,7 @@ def uniform_avg_bits(units: Sequence[Unit], bits: int | Candidate, group_size: i
 
 def uniform_candidates(units: Sequence[Unit], candidates: Sequence[Candidate]) -> dict[Candidate, float]:
     """Average bits of each candidate that every unit can take, uniformly (others left out)."""
-    return {c: uniform_avg_bits(units, c) for c in sorted(set(candidates), key=_order)
+    return {c: uniform_avg_bits(units, c) for c in sorted(set(candidates), key=candidate_order)
             if all(u.fits(c[1]) for u in units)}
 
 
@@ -221,7 +221,7 @@ def _table(
     raw = candidates if candidates is not None else [k for u in units for k in u.delta]
     if any(isinstance(b, bool) or not isinstance(b, (int, tuple)) for b in raw):
         raise LayercutError(f"allocate: candidates must be bits or (bits, group size) pairs, got {list(raw)}")
-    cands = sorted({_pair(c, group_size) for c in raw}, key=_order)
+    cands = sorted({_pair(c, group_size) for c in raw}, key=candidate_order)
     if not cands or any(b <= 0 or (gs != -1 and gs <= 0) for b, gs in cands):
         raise LayercutError(f"allocate: candidate bits must be positive integers and group sizes -1 or positive, "
                             f"got {[candidate_label(c) for c in cands]}")
@@ -252,7 +252,7 @@ def _table(
     return cands, delta, costs
 
 
-def _budget_bits(avg_bits: float, n_total: int) -> int:
+def budget_bits(avg_bits: float, n_total: int) -> int:
     """Largest integer cost allowed by an average-bits budget (tiny relative slack for float)."""
     if not math.isfinite(avg_bits) or avg_bits <= 0:
         raise LayercutError(f"allocate: avg_bits must be a positive number, got {avg_bits}")
@@ -374,7 +374,7 @@ def allocate_bits(
     """
     cands, delta, costs = _table(units, candidates, group_size)
     n_total = sum(u.n_weights for u in units)
-    budget = _budget_bits(avg_bits, n_total)
+    budget = budget_bits(avg_bits, n_total)
     floor_cost = sum(min(row) for row in costs)
     if budget < floor_cost:
         raise LayercutError(

@@ -44,9 +44,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from layercut.compress.arch import arch_for
+from layercut.compress.arch import arch_for, target_linears
 from layercut.compress.errors import LayercutError
-from layercut.compress.quant.stage import QuantizeResult, target_linears
+from layercut.compress.quant.result import QuantizeResult
 from layercut.export.checkpoint import atomic_dir
 
 INDEX = "model.safetensors.index.json"
@@ -262,7 +262,7 @@ def save_quantized(
     overwrite: bool = False,
     extra_files: Mapping[str, str | bytes] | None = None,
 ) -> Path:
-    """Write ``model`` (after :func:`~layercut.compress.quant.stage.quantize_model`) as a GPTQ v1
+    """Write ``model`` (after :func:`~layercut.compress.quant.driver.quantize_model`) as a GPTQ v1
     checkpoint at ``path``, atomically (nothing appears under ``path`` on failure)."""
     with atomic_dir(path, overwrite) as tmp:
         write_quantized_into(model, tokenizer, result, tmp, dtype, max_shard_size, extra_files)

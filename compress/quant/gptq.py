@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from layercut.compress.errors import LayercutError
+from layercut.compress.quant.result import SUPPORTED_BITS
 
-SUPPORTED_BITS = (2, 3, 4, 8)
 _DAMP_TRIES = 5  # damp, 10·damp, 100·damp, ... before giving up
 _FP16_MIN_SUBNORMAL = 2.0**-24
 SLICE_ELEMENTS = 1 << 22  # [out, in] results are built in row slices of about this many elements

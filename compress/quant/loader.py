@@ -29,8 +29,9 @@ from torch import nn
 
 from layercut.compress.errors import LayercutError
 from layercut.compress.quant.checkpoint import INDEX, resolve_dynamic
-from layercut.compress.quant.pack import SUPPORTED_BITS, packed_rows
+from layercut.compress.quant.pack import packed_rows
 from layercut.compress.quant.qlinear import QuantLinear
+from layercut.compress.quant.result import SUPPORTED_BITS
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from layercut.calibrate.data import CalibSet
-from layercut.compress.arch import arch_for
+from layercut.compress.arch import arch_for, target_linears
 from layercut.compress.errors import LayercutError
 from layercut.compress.quant.allocate import (
     DEFAULT_CANDIDATES,
@@ -51,19 +51,13 @@ from layercut.compress.quant.allocate import (
     TWO_BIT_CANDIDATES,
     Candidate,
     Unit,
-    _budget_bits,
-    _order,
+    budget_bits,
     candidate_label,
+    candidate_order,
 )
+from layercut.compress.quant.driver import QuantConfig, linear_weight, quantize_model, set_weight
 from layercut.compress.quant.pack import dequantize_gptq
-from layercut.compress.quant.stage import (
-    QuantConfig,
-    QuantizeResult,
-    linear_weight,
-    quantize_model,
-    set_weight,
-    target_linears,
-)
+from layercut.compress.quant.result import QuantizeResult
 
 
 def _fits_all(units: Sequence[Unit], c: Candidate) -> bool:
@@ -86,7 +80,7 @@ def resolve_candidates(
     fits the budget.
     """
     n_total = sum(u.n_weights for u in units)
-    budget = _budget_bits(avg_bits, n_total)
+    budget = budget_bits(avg_bits, n_total)
     ins = sorted({k for u in units for k in u.in_features})
     if explicit is None:
         cands = [c for c in DEFAULT_CANDIDATES if any(u.fits(c[1]) for u in units)]
@@ -100,7 +94,7 @@ def resolve_candidates(
             if not any(u.fits(c[1]) for u in units):
                 raise LayercutError(f"quantize: candidate {candidate_label(c)}: group size {c[1]} divides the input "
                                     f"size of no unit (in_features: {', '.join(map(str, ins))})")
-    cands.sort(key=_order)
+    cands.sort(key=candidate_order)
     floor = sum(min(u.cost(c) for c in cands if u.fits(c[1])) for u in units)
     if budget < floor:
         raise LayercutError(f"quantize: --avg-bits {avg_bits} is below the smallest candidate allocation: every unit "
@@ -108,7 +102,7 @@ def resolve_candidates(
                             f"{floor / n_total:.4f} bits/weight")
     fitting = [c for c in cands if _fits_all(units, c) and _total(units, c) <= budget]
     if fitting:
-        return cands, max(fitting, key=lambda c: (_total(units, c), _order(c)))
+        return cands, max(fitting, key=lambda c: (_total(units, c), candidate_order(c)))
     if need_baseline:
         raise LayercutError(f"quantize: no candidate in --candidates {','.join(map(candidate_label, cands))} fits the "
                             f"--avg-bits {avg_bits} budget uniformly, so there is no uniform baseline for the fallback "
@@ -157,7 +151,7 @@ class FallbackVerdict:
                 "samples": self.samples, "tokens": self.tokens, "data": self.data}
 
 
-def _load(model: nn.Module, weights: Mapping[str, Tensor] | QuantizeResult) -> None:
+def load_weights(model: nn.Module, weights: Mapping[str, Tensor] | QuantizeResult) -> None:
     """Set the target linears of ``model`` to float ``weights`` or to a result's decoded weights."""
     spec = arch_for(model)
     for _, _, name, module in target_linears(model, spec):
@@ -190,11 +184,11 @@ def compare_kl(
     count = 0
     for ids, mask in check.split(batch_size):
         ids, m = ids.to(dev), mask.to(dev)
-        _load(model, fp)
+        load_weights(model, fp)
         ref = F.log_softmax(model(input_ids=ids, attention_mask=m, use_cache=False).logits.float(), -1)  # [B, L, V]
         keep = m.bool()
         for name, res in variants.items():
-            _load(model, res)
+            load_weights(model, res)
             lp = F.log_softmax(model(input_ids=ids, attention_mask=m, use_cache=False).logits.float(), -1)
             kl = (ref.exp() * (ref - lp)).sum(-1)  # [B, L]
             total[name] += float(kl[keep].sum())
@@ -220,11 +214,11 @@ def fallback_check(
     ``model`` holds ``mixed``'s weights on entry and the kept result's on return. Ties
     keep the uniform baseline (the simpler checkpoint).
     """
-    _load(model, fp)
+    load_weights(model, fp)
     uniform = quantize_model(model, calib, cfg, dict(uniform_plan), batch_size=batch_size, device=device,
                              progress=progress)
     kls, tokens = compare_kl(model, check, fp, {"mixed": mixed, "uniform": uniform}, batch_size)
     keep = "mixed" if kls["mixed"] < kls["uniform"] else "uniform"
     kept = mixed if keep == "mixed" else uniform
-    _load(model, kept)
+    load_weights(model, kept)
     return FallbackVerdict(kls["mixed"], kls["uniform"], keep, check.num_samples, tokens), kept

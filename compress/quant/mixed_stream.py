@@ -32,15 +32,10 @@ from torch import Tensor
 from layercut.calibrate.capture import BlockRun, first_tensor, run_blocks
 from layercut.calibrate.data import CalibSet
 from layercut.compress.lazy import LazyModel, TensorIndex
+from layercut.compress.quant.driver import QuantConfig, linear_weight, quantize_model, set_weight
 from layercut.compress.quant.mixed import FallbackVerdict
 from layercut.compress.quant.pack import dequantize_gptq
-from layercut.compress.quant.stage import (
-    QuantConfig,
-    QuantizeResult,
-    linear_weight,
-    quantize_model,
-    set_weight,
-)
+from layercut.compress.quant.result import QuantizeResult
 from layercut.compress.quant.stream import write_block_fn, write_rest
 
 POSITIONS = 128  # positions per head slice: [128, V] log-probs at a time

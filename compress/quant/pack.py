@@ -33,10 +33,10 @@ import torch
 from torch import Tensor
 
 from layercut.compress.errors import LayercutError
+from layercut.compress.quant.result import SUPPORTED_BITS
 
 SLICE_ELEMENTS = 1 << 22  # qweight is packed in slices of output columns of about this many codes
 
-SUPPORTED_BITS = (2, 3, 4, 8)
 _MASK32 = (1 << 32) - 1
 
 

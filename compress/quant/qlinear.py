@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from layercut.compress.errors import LayercutError
 from layercut.compress.kernels import ops  # registers torch.ops.layercut.gptq_matmul
 from layercut.compress.kernels.ops import ACT_ORDER
-from layercut.compress.quant.pack import SUPPORTED_BITS, dequantize_gptq, pack_gptq, packed_rows
+from layercut.compress.quant.pack import dequantize_gptq, pack_gptq, packed_rows
+from layercut.compress.quant.result import SUPPORTED_BITS
 
 
 class QuantLinear(nn.Module):

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 from torch import Tensor
 
 from layercut.compress.quant.allocate import Allocation, Candidate, Unit, allocate_bits, candidate_label
-from layercut.compress.quant.stage import QuantConfig, QuantizeResult, solve_group
+from layercut.compress.quant.driver import QuantConfig, solve_group
+from layercut.compress.quant.result import QuantizeResult
 
 
 def neighbours(unit: Unit, choice: Candidate, cands: Sequence[Candidate]) -> list[Candidate]:

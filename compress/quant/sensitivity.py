@@ -45,11 +45,10 @@ from torch import Tensor, nn
 
 from layercut.calibrate.capture import BlockRun, run_blocks
 from layercut.calibrate.data import CalibSet
-from layercut.compress.arch import arch_for
+from layercut.compress.arch import arch_for, target_linears
 from layercut.compress.errors import LayercutError
 from layercut.compress.quant.allocate import Unit, candidate_label, require_fitting
-from layercut.compress.quant.gptq import SUPPORTED_BITS
-from layercut.compress.quant.stage import (
+from layercut.compress.quant.driver import (
     GROUP_LABELS,
     HessianSet,
     QuantConfig,
@@ -57,8 +56,8 @@ from layercut.compress.quant.stage import (
     linear_weight,
     set_weight,
     solve_group,
-    target_linears,
 )
+from layercut.compress.quant.result import SUPPORTED_BITS
 
 METHODS = ("kl", "output", "output_rel", "loss")
 T = TypeVar("T")

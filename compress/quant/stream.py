@@ -8,10 +8,10 @@ Usage::
     result, qc = quantize_streamed(lazy, calib, QuantConfig(bits=4, group_size=128), "out-tmp-dir")
 
 The model is a :class:`layercut.compress.lazy.LazyModel`: the capture driver reads each block from
-the checkpoint for its turn, :func:`layercut.compress.quant.stage.quantize_model` quantizes it in
+the checkpoint for its turn, :func:`layercut.compress.quant.driver.quantize_model` quantizes it in
 place (Hessians per group, solved and freed at the block's turn), and the block's packed
 tensors (and its unquantized ones, in ``save_dtype``) go straight to the shard writer before
-the block is released; the :class:`~layercut.compress.quant.stage.QuantizeResult` keeps only each
+the block is released; the :class:`~layercut.compress.quant.driver.QuantizeResult` keeps only each
 linear's bits, shape and solve figures, never its tensors. The embeddings, final norm and
 head are copied from the source at the end. The layout is the one
 :func:`layercut.compress.quant.checkpoint.write_quantized_into` writes (GPTQ v1, sharded with an
@@ -29,10 +29,12 @@ from pathlib import Path
 import torch
 
 from layercut.calibrate.capture import BlockRun
+from layercut.compress.arch import target_linears
 from layercut.compress.errors import LayercutError
 from layercut.compress.lazy import LazyModel
 from layercut.compress.quant.checkpoint import quantization_config
-from layercut.compress.quant.stage import QuantConfig, QuantizeResult, quantize_model, target_linears
+from layercut.compress.quant.driver import QuantConfig, quantize_model
+from layercut.compress.quant.result import QuantizeResult
 
 SKIP_FILES = {"config.json", "model.safetensors.index.json", "quantize_config.json"}
 

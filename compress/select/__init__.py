@@ -12,9 +12,7 @@ Modules: ``cores`` (tensor formulas), ``stage`` (driver callback, LayerScores, s
 ``gate_norm`` (data-free, from safetensors), ``swap_kl`` (diagnostic), ``plot`` (PNG).
 """
 
-from layercut.compress.select.gate_norm import gate_norm_from_model, gate_norm_scores, gate_norm_select
-from layercut.compress.select.plot import plot_scores
-from layercut.compress.select.stage import (
+from layercut.compress.select.driver import (
     BLOCK_METHODS,
     DATA_METHODS,
     SUBLAYER_METHODS,
@@ -25,6 +23,8 @@ from layercut.compress.select.stage import (
     select_blocks,
     select_sublayers,
 )
+from layercut.compress.select.gate_norm import gate_norm_from_model, gate_norm_scores, gate_norm_select
+from layercut.compress.select.plot import plot_scores
 from layercut.compress.select.swap_kl import swap_kl_scores
 
 __all__ = [

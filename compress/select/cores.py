@@ -10,7 +10,7 @@ Usage::
 
 Streams are ``[B, L, D]`` with a ``[B, L]`` bool mask (True on real tokens). Every
 reduction runs in float64 and ignores padding. The stage wrappers in
-:mod:`layercut.compress.select.stage` feed these from the capture driver; the tests check them
+:mod:`layercut.compress.select.driver` feed these from the capture driver; the tests check them
 against direct computations on hand-made tensors.
 
 References: Gromov et al. 2024, "The Unreasonable Ineffectiveness of the Deeper Layers"

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from layercut.compress.errors import LayercutError
-from layercut.compress.select.stage import LayerScores
+from layercut.compress.select.driver import LayerScores
 
 SERIES = (
     ("block_influence", "block influence 1 − cos(h_l, h_l+1)"),

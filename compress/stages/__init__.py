@@ -5,7 +5,7 @@ Usage::
     from layercut.compress.stages import config_types, stage_module
     stage_module("quantize").run(config_types()["quantize"](bits=4), "model/", "q4/")
 
-Every stage module defines ``<Name>Config`` (a :class:`~layercut.compress.stages.base.StageConfig`:
+Every stage module defines ``<Name>Config`` (a :class:`~layercut.compress.options.StageConfig`:
 the CLI flags, the recipe keys and the Python options all come from it) and
 ``run(config, source, output, env=None) -> report``; where a stage can work in memory it
 also has ``<stage>_model(model, tokenizer, config)``. Importing this package or a stage
@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from layercut.compress.stages.base import StageConfig
+from layercut.compress.options import StageConfig
 
 # in pipeline order; `layercut --help` lists them so
 STAGES = ("score", "prune", "heal", "quantize", "export", "eval")

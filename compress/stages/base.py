@@ -1,142 +1,15 @@
-"""The one definition of a stage's options: a strict pydantic config, from which the CLI
-flags (:mod:`layercut.compress.stages.flags`), the recipe keys (:mod:`layercut.compress.recipe`) and the
-Python API (:mod:`layercut`) all come.
-
-Usage::
-
-    from layercut.compress.stages.prune import PruneConfig
-    PruneConfig(drop=8, select="angular", replace="lstsq")     # validated now
-    PruneConfig(replce="lstsq")      # ValueError: unknown key 'replce', did you mean 'replace'? ...
-
-A field declares its type, default, bounds (``Field(ge=1)``) and a one-line
-``description``; ``json_schema_extra`` may add ``short`` (a one-letter CLI alias),
-``metavar`` and ``cli_default`` (the CLI's default where the recipe's differs: eval's
-``reference`` is the recipe's source model in a run, nothing on the command line). No
-type coercion (``"4"`` is not an int); unknown keys name the closest valid one. This
-module is torch-free: ``layercut --help`` imports it.
+"""What every stage's ``run`` shares: the run environment (``RunEnv``), report writing and
+scrubbing, and streamed loading. The stage configs' base and option helpers are
+:mod:`layercut.compress.options`, a layer below, so an algorithm may own its stage's config.
 """
 
 from __future__ import annotations
 
-import difflib
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from layercut.calibrate.sources import FIELD_KEYS, TextSource
-
-# a recipe's eval/heal stage compares with / distils from the recipe's model unless told otherwise
-SOURCE = "source"
-
-
-def closest(word: str, options: list[str] | tuple[str, ...]) -> str | None:
-    """The option nearest to a misspelt ``word`` (difflib ratio >= 0.6), or None."""
-    found = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return found[0] if found else None
-
-
-class StageConfig(BaseModel):
-    """Base of every stage config: unknown keys are errors naming the closest key; no coercion."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
-
-    # CLI help: one line, and one or two example command lines (set by each stage)
-    help: ClassVar[str] = ""
-    examples: ClassVar[tuple[str, ...]] = ()
-
-    @classmethod
-    def option_names(cls) -> list[str]:
-        """The stage's options (the recipe keys; ``--`` + dashes on the CLI)."""
-        return [k for k in cls.model_fields if k != "stage"]
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            unknown = [k for k in data if k not in cls.model_fields]
-            if unknown:
-                raise ValueError(unknown_key_message(str(unknown[0]), cls.option_names()))
-        return data
-
-
-def unknown_key_message(key: str, allowed: list[str]) -> str:
-    """``unknown key 'replce', did you mean 'replace'? (allowed: ...)``."""
-    near = closest(key, allowed)
-    hint = f", did you mean '{near}'?" if near else ""
-    return f"unknown key '{key}'{hint} (allowed: {', '.join(allowed)})"
-
-
-_SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$", re.IGNORECASE)
-
-
-def check_size(text: str) -> str:
-    """A shard size such as ``2GB`` or ``500MB`` (what ``save_pretrained`` accepts).
-
-    >>> check_size("500MB")
-    '500MB'
-    """
-    if not _SIZE.match(text.strip()):
-        raise ValueError(f"size '{text}' is not like 500MB or 2GB")
-    return text.strip()
-
-
-def parse_fraction(value: str | float | int, what: str = "value") -> float:
-    """A non-negative number or percentage.
-
-    >>> parse_fraction("5%"), parse_fraction(0.05)
-    (0.05, 0.05)
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{what}: expected a number or a percentage like 5%, got {value!r}")
-    if isinstance(value, str):
-        text = value.strip()
-        try:
-            number = float(text[:-1]) / 100.0 if text.endswith("%") else float(text)
-        except ValueError:
-            raise ValueError(f"{what}: expected a number or a percentage like 5%, got '{value}'") from None
-    else:
-        number = float(value)
-    if not number >= 0 or number == float("inf"):
-        raise ValueError(f"{what}: must be a finite number >= 0, got {value!r}")
-    return number
-
-
-def int_list(value: str | list[int], what: str) -> list[int]:
-    """``"2,3,4"`` or ``[2, 3, 4]`` -> ``[2, 3, 4]``.
-
-    >>> int_list("2, 3,4", "candidates")
-    [2, 3, 4]
-    """
-    if isinstance(value, list):
-        return list(value)
-    try:
-        return [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{what}: expected integers like 2,3,4,8, got '{value}'") from None
-
-
-def torch_dtype(name: str, path=None):
-    """A ``--dtype`` name as a torch dtype; ``auto`` = the checkpoint's own (fp32 if it names none)."""
-    import json
-
-    import torch
-
-    if name == "auto":
-        name = "fp32"
-        try:
-            cfg = json.loads((Path(path) / "config.json").read_text()) if path is not None else {}
-        except (OSError, ValueError):
-            cfg = {}
-        stored = cfg.get("dtype") or cfg.get("torch_dtype") or (cfg.get("text_config") or {}).get("dtype")
-        name = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(str(stored), "fp32")
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
-
-
-Dtype = Literal["auto", "bf16", "fp16", "fp32"]
-SaveDtype = Literal["bf16", "fp16", "fp32"]
+from layercut.compress.options import SOURCE, torch_dtype
 
 
 @dataclass
@@ -180,105 +53,6 @@ class RunEnv:
         return str(spec) if spec is not None else str(path)
 
 
-# ---------------------------------------------------------------------------- text options
-# A stage's text (score/prune/quantize: ``calib``, heal: ``data``) is a source string or, in a
-# recipe, a list of TextSource entries (``{source, weight, text_field, messages_field,
-# chat_template}``). The flat options below describe a string source; each stage declares
-# them right after its text field (so --help lists them together) and mixes in TextOptions.
-TextSpec = str | list[TextSource]
-TEXT_SPEC_HELP = ("bundled:NAME, a .txt or .jsonl file, or hf:NAME[:CONFIG][@SPLIT] (e.g. @train[:1000]); "
-                  "in a recipe also a list of {source, weight, text_field, messages_field, chat_template} "
-                  "mixed by weight")
-
-
-def text_field_option() -> Any:
-    return Field(None, min_length=1, description="the text column of an hf: dataset or key of a .jsonl file "
-                                                 "(none: text)", json_schema_extra={"metavar": "FIELD"})
-
-
-def messages_field_option() -> Any:
-    return Field(None, min_length=1, description="the conversations column or .jsonl key, each a list of "
-                                                 "{role, content} (none: messages); needs --chat-template",
-                 json_schema_extra={"metavar": "FIELD"})
-
-
-def device_option() -> Any:
-    from layercut.compress.devices import DEVICE_HELP, DEVICE_PATTERN
-
-    return Field("auto", pattern=DEVICE_PATTERN, description=DEVICE_HELP, json_schema_extra={"metavar": "DEVICE"})
-
-
-def chat_template_option() -> Any:
-    return Field(False, description="render each conversation with the tokenizer's chat template")
-
-
-class TextOptions(BaseModel):
-    """Mixin of the stages that read text: checks the text options, and turns them into sources.
-
-    ``text_option`` names the stage's text field; the stage declares it (``TextSpec``) and
-    ``text_field`` / ``messages_field`` / ``chat_template`` (the ``*_option()`` fields above).
-    """
-
-    text_option: ClassVar[str] = "calib"
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_entries(cls, data: Any) -> Any:
-        """A recipe's list of mappings (or one mapping) -> TextSource entries, each error naming its entry."""
-        name = cls.text_option
-        if not isinstance(data, dict) or name not in data or isinstance(data[name], str):
-            return data
-        from layercut.compress.stages.flags import format_error
-
-        value = data[name]
-        if not isinstance(value, (list, dict, TextSource)):
-            raise ValueError(f"{name}: expected a source string or a list of sources (got {value!r})")
-        items = value if isinstance(value, list) else [value]
-        if not items:
-            raise ValueError(f"{name}: the list of sources is empty")
-        entries = []
-        for i, item in enumerate(items):
-            if not isinstance(item, (str, dict, TextSource)):
-                raise ValueError(f"{name}[{i}]: expected a source string or a mapping with a source key "
-                                 f"(got {item!r})")
-            try:
-                entries.append(item if isinstance(item, TextSource) else TextSource.model_validate(item))
-            except ValidationError as exc:
-                err = exc.errors(include_url=False)[0]
-                if err["type"] == "missing":
-                    raise ValueError(f"{name}[{i}]: missing required key '{err['loc'][-1]}'") from None
-                raise ValueError(f"{name}[{i}]: {format_error(exc)}") from None
-        return {**data, name: entries}
-
-    @model_validator(mode="after")
-    def _text_flags(self) -> Any:
-        self.text_sources()
-        return self
-
-    def text_sources(self) -> list[TextSource]:
-        """The stage's text as sources: the string with the flat options, or the list as given."""
-        value = getattr(self, self.text_option)
-        flat = {k: getattr(self, k) for k in FIELD_KEYS if getattr(self, k) not in (None, False)}
-        if isinstance(value, list):
-            if flat:
-                raise ValueError(f"{', '.join(flat)}: these describe a single {self.text_option} source; in a "
-                                 "list of sources, set them on each entry")
-            return list(value)
-        try:
-            return [TextSource(source=value, **flat)]
-        except ValidationError as exc:
-            from layercut.compress.stages.flags import format_error
-
-            raise ValueError(format_error(exc)) from None
-
-    def text_label(self) -> str | dict | list[dict]:
-        """How reports name the text: the plain string as given, else the source(s) with their options."""
-        value, sources = getattr(self, self.text_option), self.text_sources()
-        if isinstance(value, str):
-            return value if sources[0] == TextSource(source=value) else sources[0].model_dump(exclude_defaults=True)
-        return [s.label() for s in sources]
-
-
 def write_json(path: Path, data: dict) -> None:
     import json
 
@@ -302,30 +76,19 @@ def strip_volatile(data: Any, keys: tuple[str, ...] = _VOLATILE) -> Any:
     return data
 
 
-# ---------------------------------------------------------------------------- streaming
-STREAM_DTYPE_HELP = ("dtype the weights are read and written in (auto: the checkpoint's own); streamed, "
-                     "each block computes in float32 on CPU")
-WHOLE_MODEL_HELP = ("load the whole model in --dtype instead of streaming it one block at a time from the "
-                    "checkpoint (streaming needs a dense checkpoint of a family in layercut's table)")
+def quality_report(report: dict) -> dict:
+    """The run report without timings, RSS and speed: what goes inside the checkpoint."""
+    volatile = {"wall_s", "cpu_s", "peak_rss_mb", "rss_method", "total_wall_s", "total_cpu_s", "seconds",
+                "tokens_per_s", "source", "input"}
 
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in volatile}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
 
-def stream_blocker(path: Path) -> str | None:
-    """Why ``path`` cannot be streamed block by block, or None when it can."""
-    import json
-
-    from layercut.compress.arch import spec_for_model_type
-
-    try:
-        cfg = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return "its config.json is unreadable"
-    if cfg.get("quantization_config"):
-        return "it is a quantized checkpoint"
-    if cfg.get("auto_map"):
-        return "it ships its own modeling code"
-    if spec_for_model_type(str(cfg.get("model_type"))) is None:
-        return f"model type '{cfg.get('model_type')}' is not in layercut's architecture table"
-    return None
+    return strip(report)
 
 
 def load_streamed(path: Path, dtype: str, env: RunEnv, whole_model: bool, what: str):
@@ -334,6 +97,8 @@ def load_streamed(path: Path, dtype: str, env: RunEnv, whole_model: bool, what: 
 
     if whole_model:
         return None
+    from layercut.compress.lazy import stream_blocker
+
     reason = stream_blocker(path)
     if reason is not None:
         logging.getLogger(f"layercut.{what}").info("%s: loading the whole model (%s)", what, reason)

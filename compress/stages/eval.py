@@ -25,12 +25,11 @@ from pydantic import Field, field_validator, model_validator
 
 from layercut.calibrate import DEFAULT_EVAL_TEXT
 from layercut.compress.devices import on_device
-from layercut.compress.stages.base import (
+from layercut.compress.options import (
     SOURCE,
     STREAM_DTYPE_HELP,
     WHOLE_MODEL_HELP,
     Dtype,
-    RunEnv,
     StageConfig,
     TextOptions,
     chat_template_option,
@@ -38,8 +37,8 @@ from layercut.compress.stages.base import (
     messages_field_option,
     parse_fraction,
     text_field_option,
-    write_json,
 )
+from layercut.compress.stages.base import RunEnv, write_json
 
 
 class EvalConfig(StageConfig, TextOptions):
@@ -138,7 +137,8 @@ def run(config: EvalConfig, source: str | Path, output: str | Path | None = None
     from layercut.compress.evaluate import evaluate
     from layercut.compress.gates import check_gates, parse_limit
     from layercut.compress.models import load_model, load_tokenizer, resolve_model, weight_bytes
-    from layercut.compress.stages.base import load_streamed, torch_dtype
+    from layercut.compress.options import torch_dtype
+    from layercut.compress.stages.base import load_streamed
 
     env = env or RunEnv()
     max_ppl = parse_limit(config.max_ppl_increase, "max_ppl_increase")

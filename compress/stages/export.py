@@ -21,7 +21,9 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from layercut.compress.stages.base import Dtype, RunEnv, SaveDtype, StageConfig, check_size
+from layercut.compress.options import Dtype, SaveDtype, StageConfig
+from layercut.compress.stages.base import RunEnv
+from layercut.compress.units import check_size
 
 
 class ExportConfig(StageConfig):
@@ -52,7 +54,7 @@ def run(config: ExportConfig, source: str | Path, output: str | Path, env: RunEn
         extra_files: dict[str, str | bytes] | None = None) -> dict:
     """Export ``source`` (a checkpoint, or a layercut run directory) to ``output``; returns a report."""
     from layercut.compress.models import resolve_model
-    from layercut.compress.pipeline import quality_report
+    from layercut.compress.stages.base import quality_report
     from layercut.export.card import card_files
     from layercut.export.export import export_checkpoint, is_quantized
 

@@ -21,12 +21,8 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from layercut.compress.errors import LayercutError
-from layercut.compress.stages.base import StageConfig
-
-
-def flag_name(field: str) -> str:
-    return "--" + field.replace("_", "-")
+from layercut.compress.errors import LayercutError, flag_name, format_error
+from layercut.compress.options import StageConfig
 
 
 def _members(annotation: Any) -> list[Any]:
@@ -117,39 +113,3 @@ def config_from_args(cls: type[StageConfig], args: argparse.Namespace) -> StageC
         return cls(**values)
     except ValidationError as exc:
         raise LayercutError(format_error(exc, flags=cls.option_names())) from None
-
-
-def format_error(exc: ValidationError, flags: list[str] | None = None) -> str:
-    """The first pydantic error as one line naming the field; ``flags``: option names to spell as flags."""
-    err = exc.errors(include_url=False)[0]
-    parts = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
-    where = (flag_name(parts[-1]) if flags else ".".join(parts)) if parts else ""
-    msg = err["msg"].removeprefix("Value error, ")
-    bound = _BOUNDS.get(err["type"])
-    if bound is not None and where:  # "steps must be >= 1 (got 0)"
-        limit = err["ctx"][bound_key(err["type"])]
-        return f"{where} must be {bound} {limit:g} (got {err['input']!r})"
-    if "input" in err and err["type"] not in ("value_error", "assertion_error", "missing"):
-        msg = f"{msg} (got {err['input']!r})"
-    if flags:  # validators speak in recipe keys; on the command line name the flags
-        msg = _keys_to_flags(msg, flags)
-    return f"{where}: {msg}" if where and not msg.startswith(where) else msg
-
-
-_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
-
-
-def bound_key(error_type: str) -> str:
-    return {"greater_than_equal": "ge", "greater_than": "gt", "less_than_equal": "le", "less_than": "lt"}[error_type]
-
-
-def _keys_to_flags(text: str, names: list[str]) -> str:
-    import re
-
-    first = text.split(" ", 1)[0].rstrip(":")
-    if first in names:  # "candidates must be among ..." -> "--candidates must be among ..."
-        text = flag_name(first) + text[len(first):]
-    multi = sorted((n for n in names if "_" in n), key=len, reverse=True)
-    if not multi:
-        return text
-    return re.sub(r"(?<![-\w])(" + "|".join(multi) + r")\b", lambda m: flag_name(m.group(1)), text)

@@ -28,12 +28,12 @@ from pydantic import Field, field_validator, model_validator
 
 from layercut.calibrate import DEFAULT_CALIB_TEXT
 from layercut.compress.devices import on_device
-from layercut.compress.stages.base import (
+from layercut.compress.errors import LayercutError
+from layercut.compress.options import (
     STREAM_DTYPE_HELP,
     TEXT_SPEC_HELP,
     WHOLE_MODEL_HELP,
     Dtype,
-    RunEnv,
     StageConfig,
     TextOptions,
     TextSpec,
@@ -41,9 +41,9 @@ from layercut.compress.stages.base import (
     device_option,
     messages_field_option,
     parse_fraction,
-    strip_volatile,
     text_field_option,
 )
+from layercut.compress.stages.base import RunEnv, strip_volatile
 
 log = logging.getLogger("layercut.prune")
 PRUNE_VERSION = 1
@@ -136,14 +136,14 @@ def choose(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
     (:class:`layercut.compress.lazy.LazyModel`): scoring streams it block by block.
     """
     from layercut.calibrate.data import calibration_batch
-    from layercut.compress.arch import arch_for
-    from layercut.compress.depth.prune import _params, check_against_model, choose_layers, parse_layers
+    from layercut.compress.arch import arch_for, count_params
+    from layercut.compress.depth.prune import check_against_model, choose_layers, parse_layers
 
     picked = parse_layers(config.layers)
     count = config.count(len(arch_for(model).layers_of(model)))
     count = count if count is not None else len(picked)
     num_layers = check_against_model(model, config.what, count, picked, config.replace)
-    params_before = _params(model)
+    params_before = count_params(model)
     select, replace = config.select, config.replace
     needs_data = replace != "none" or config.fuse_calibrate or select not in (None, "gate-norm")
     calib_set = calibration_batch(tokenizer, config.text_sources(), samples=config.samples,
@@ -161,7 +161,7 @@ def choose(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
 def apply(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
           progress: bool = True) -> tuple[object, dict]:
     """The shared core: choose the layers and transform ``model`` in place; returns (model, report)."""
-    from layercut.compress.depth.prune import _params
+    from layercut.compress.arch import count_params
     from layercut.compress.depth.prune import prune_model as transform
 
     plan = choose(model, tokenizer, config, model_dir, progress)
@@ -170,7 +170,7 @@ def apply(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
     fit_data = calib_set if (replace != "none" or config.fuse_calibrate) else None
     model, details = transform(model, picked, config.what, replace, config.fuse, fit_data, config.batch_size,
                                progress, **extra)
-    return model, report_of(config, plan, details, int(model.config.num_hidden_layers), _params(model))
+    return model, report_of(config, plan, details, int(model.config.num_hidden_layers), count_params(model))
 
 
 def report_of(config: PruneConfig, plan: dict, details: dict, layers_after: int, params_after: int) -> dict:
@@ -243,7 +243,8 @@ def run(config: PruneConfig, source: str | Path, output: str | Path, env: RunEnv
     """
     from layercut.compress.depth.sublayers import sublayer_readme
     from layercut.compress.models import load_model, resolve_model
-    from layercut.compress.stages.base import load_streamed, torch_dtype
+    from layercut.compress.options import torch_dtype
+    from layercut.compress.stages.base import load_streamed
     from layercut.export.checkpoint import atomic_dir, check_output_dir, write_checkpoint_into
 
     env = env or RunEnv()
@@ -279,3 +280,21 @@ def _plot(report: dict, config: PruneConfig, path: Path) -> None:
     scores = report["scores"]  # the angular panel's x axis is the span start: highlight only it
     scores = LayerScores.from_dict(scores) if "num_layers" in scores else scores  # gate-norm: a dict
     plot_scores(scores, path, highlight=highlight, title=f"{config.select}: {config.what} {layers} removed")
+
+
+def prune(model_spec: str, output: str | Path, *, overwrite: bool = False, progress: bool = True,
+          **options) -> dict:
+    """Load ``model_spec``, prune it, write a checkpoint to ``output``; return a report.
+
+    ``options`` are :class:`layercut.compress.stages.prune.PruneConfig`'s (``drop``, ``select``,
+    ``layers``, ``replace``, ...); this is :func:`run` with keywords.
+    """
+    from pydantic import ValidationError
+
+    from layercut.compress.errors import format_error
+
+    try:
+        config = PruneConfig(**options)
+    except ValidationError as exc:
+        raise LayercutError(format_error(exc)) from None
+    return run(config, model_spec, output, RunEnv(overwrite=overwrite, progress=progress))

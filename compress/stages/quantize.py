@@ -34,6 +34,7 @@ for uniform bits, RTN and ``avg_bits`` alike (:mod:`layercut.compress.quant.mixe
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -42,12 +43,12 @@ from pydantic import Field, model_validator
 
 from layercut.calibrate import DEFAULT_CALIB_TEXT
 from layercut.compress.devices import on_device, resolve_device
-from layercut.compress.stages.base import (
+from layercut.compress.errors import LayercutError
+from layercut.compress.options import (
     STREAM_DTYPE_HELP,
     TEXT_SPEC_HELP,
     WHOLE_MODEL_HELP,
     Dtype,
-    RunEnv,
     SaveDtype,
     StageConfig,
     TextOptions,
@@ -55,11 +56,11 @@ from layercut.compress.stages.base import (
     chat_template_option,
     device_option,
     messages_field_option,
-    strip_volatile,
     text_field_option,
 )
+from layercut.compress.quant.result import SUPPORTED_BITS
+from layercut.compress.stages.base import RunEnv, strip_volatile
 
-SUPPORTED_BITS = (2, 3, 4, 8)  # layercut.compress.quant.gptq.SUPPORTED_BITS (checked equal in tests/test_recipe.py)
 MAX_DP_CELLS = 2_000_000  # exact DP up to this many budget cells (int8 choices: 2 MB per unit)
 
 
@@ -182,8 +183,8 @@ class QuantizeConfig(StageConfig, TextOptions):
         return None if self.candidates is None else parse_candidates(self.candidates, self.group_size)
 
     def core(self):
-        """The solver's settings (:class:`layercut.compress.quant.stage.QuantConfig`)."""
-        from layercut.compress.quant.stage import QuantConfig
+        """The solver's settings (:class:`layercut.compress.quant.driver.QuantConfig`)."""
+        from layercut.compress.quant.driver import QuantConfig
 
         return QuantConfig(bits=self.bits or 4, group_size=self.group_size, sym=self.sym,
                            act_order=self.act_order, static_groups=self.static_groups, group_aware=self.group_aware,
@@ -206,16 +207,16 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
 
     from layercut.calibrate.data import CalibSet, calibration_batch
     from layercut.compress.quant.allocate import allocate_bits, candidate_label, uniform_candidates
+    from layercut.compress.quant.driver import check_model, quantize_model
     from layercut.compress.quant.mixed import (
-        _load,
         fallback_check,
         float_weights,
         held_apart,
+        load_weights,
         resolve_candidates,
     )
     from layercut.compress.quant.refine import Refiner
     from layercut.compress.quant.sensitivity import allocation_units, expand_bits, measure_sensitivity
-    from layercut.compress.quant.stage import check_model, quantize_model
 
     cfg, gs = config.core(), config.group_size
     cfg.check()
@@ -264,7 +265,7 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
     refined = None
     if refiner is not None:  # solve again on the losses at the operating point; quantize again if it moved
         alloc, result, refined, refine_info = refiner.round(
-            result, config.avg_bits, quantize, (lambda: _load(net, fp)) if stream is None else
+            result, config.avg_bits, quantize, (lambda: load_weights(net, fp)) if stream is None else
             (lambda: stream.discard("mixed")), max_cells=MAX_DP_CELLS)
     else:
         refine_info = {"run": False, "why": "switched off"}
@@ -345,8 +346,9 @@ def run(config: QuantizeConfig, source: str | Path, output: str | Path, env: Run
     """
     from layercut.compress.errors import LayercutError
     from layercut.compress.models import load_model, resolve_model
+    from layercut.compress.options import torch_dtype
     from layercut.compress.quant.checkpoint import write_quantized_into
-    from layercut.compress.stages.base import load_streamed, torch_dtype
+    from layercut.compress.stages.base import load_streamed
     from layercut.export.checkpoint import atomic_dir, check_output_dir
     from layercut.export.export import is_quantized
 
@@ -381,9 +383,9 @@ def _run_streamed(lazy, path: Path, config: QuantizeConfig, folder: Path, env: R
     """GPTQ or RTN over a lazily loaded model, written block by block into ``folder``: uniform
     bits, or bits per unit (the mixed and uniform candidates each written as they go)."""
     from layercut.compress.models import load_tokenizer
+    from layercut.compress.options import torch_dtype
     from layercut.compress.quant.mixed_stream import StreamedOutputs
     from layercut.compress.quant.stream import write_block_fn, write_rest
-    from layercut.compress.stages.base import torch_dtype
     from layercut.export.shards import ShardWriter
 
     save_dtype = torch_dtype(config.save_dtype)
@@ -412,3 +414,24 @@ def _plot(alloc, folder: Path, config: QuantizeConfig, report: dict) -> None:
                     title=f"{config.unit} bits (colour: group size), budget {config.avg_bits} → {alloc.avg_bits:.3f} "
                           f"avg bits (sensitivity: {config.sensitivity})")
     report["checkpoint_plot"] = "allocation.png"  # travels inside the checkpoint (export keeps it)
+
+
+def quantize_checkpoint(model: str | os.PathLike, output: str | os.PathLike, *, overwrite: bool = False,
+                        progress: bool = True, **options) -> dict:
+    """Quantize ``model`` (dir, .gguf or bundled:NAME) into a GPTQ v1 checkpoint at ``output``.
+
+    ``options`` are :class:`QuantizeConfig`'s: exactly one of
+    ``bits`` (uniform) or ``avg_bits`` (allocated, overhead included), ``group_size``, ...
+    Returns a JSON-able report (achieved average bits, per-unit bits, timings).
+    """
+    from pydantic import ValidationError
+
+    from layercut.compress.errors import format_error
+
+    if isinstance(options.get("candidates"), tuple):
+        options["candidates"] = list(options["candidates"])
+    try:
+        config = QuantizeConfig(**options)
+    except ValidationError as exc:
+        raise LayercutError(f"quantize: {format_error(exc)}") from None
+    return run(config, model, output, RunEnv(overwrite=overwrite, progress=progress))

@@ -27,12 +27,11 @@ from pydantic import Field, field_validator
 
 from layercut.calibrate import DEFAULT_CALIB_TEXT
 from layercut.compress.devices import on_device
-from layercut.compress.stages.base import (
+from layercut.compress.options import (
     STREAM_DTYPE_HELP,
     TEXT_SPEC_HELP,
     WHOLE_MODEL_HELP,
     Dtype,
-    RunEnv,
     StageConfig,
     TextOptions,
     TextSpec,
@@ -41,6 +40,7 @@ from layercut.compress.stages.base import (
     messages_field_option,
     text_field_option,
 )
+from layercut.compress.stages.base import RunEnv
 
 METHODS = ("angular", "angular-all", "block-influence", "attn-cosine", "mlp-cosine", "gate-norm", "swap-kl")
 
@@ -86,7 +86,7 @@ def parse_methods(value: str | list[str]) -> list[str]:
     >>> parse_methods("block-influence, angular")
     ['block-influence', 'angular']
     """
-    from layercut.compress.stages.base import closest
+    from layercut.compress.errors import closest
 
     names = [m.strip() for m in (value.split(",") if isinstance(value, str) else value) if m.strip()]
     if "all" in names:
@@ -136,8 +136,8 @@ def run(config: ScoreConfig, source: str | Path, output: str | Path | None = Non
     """Score ``source``'s layers; write the report to ``output`` (.json) and a PNG to ``plot`` if given."""
     from layercut.compress.errors import LayercutError
     from layercut.compress.models import resolve_model
-    from layercut.compress.select.stage import DATA_METHODS, LayerScores, _check_count, check_span, rankings
-    from layercut.compress.stages.base import torch_dtype
+    from layercut.compress.options import torch_dtype
+    from layercut.compress.select.driver import DATA_METHODS, LayerScores, check_count, check_span, rankings
 
     env = env or RunEnv()
     start = time.perf_counter()
@@ -154,7 +154,7 @@ def run(config: ScoreConfig, source: str | Path, output: str | Path | None = Non
     if config.span is not None:
         check_span(config.span, layers)
     if drop is not None:
-        _check_count(drop, layers, "layers")
+        check_count(drop, layers, "layers")
     check_span(span, layers)
     if drop is not None and "angular-all" in methods and drop != span:
         raise LayercutError(f"angular-all selects a span of --drop {drop} blocks: pass --span {drop}")

@@ -228,7 +228,7 @@ def compute_scores(
     return scores
 
 
-def _check_count(n: int, total: int, what: str) -> None:
+def check_count(n: int, total: int, what: str) -> None:
     if n < 1 or n >= total:
         raise LayercutError(f"cannot drop {n} {what} of {total}: need 1 <= n <= {total - 1}")
 
@@ -240,7 +240,7 @@ def select_blocks(scores: LayerScores, n: int, method: str) -> list[int]:
     The last-token table holds every n; ``angular-all`` needs scores computed with span=n.
     ``block-influence``: the n lowest BI, any positions.
     """
-    _check_count(n, scores.num_layers, "blocks")
+    check_count(n, scores.num_layers, "blocks")
     if method == "angular":
         table = (scores.angular_spans or {}).get(n)
         if table is None and scores.span == n:
@@ -282,7 +282,7 @@ def select_sublayers(
         if what != "attention":
             raise LayercutError("gate-norm scores attention layers only (use --what attention)")
         gate = _gate_norm_of(scores_or_model)
-        _check_count(n, len(gate), "attention layers")
+        check_count(n, len(gate), "attention layers")
         return lowest(gate, n)
     if not isinstance(scores_or_model, LayerScores):
         raise LayercutError(f"method {method} needs LayerScores from compute_scores")
@@ -290,7 +290,7 @@ def select_sublayers(
     if scores.attn_importance is None or scores.mlp_importance is None:
         raise LayercutError("no sublayer cosine scores: compute scores with attn-cosine / mlp-cosine")
     if method == "joint":
-        _check_count(n, 2 * scores.num_layers, "sublayers")
+        check_count(n, 2 * scores.num_layers, "sublayers")
         pool = [(s, i, "attention") for i, s in enumerate(scores.attn_importance)]
         pool += [(s, i, "mlp") for i, s in enumerate(scores.mlp_importance)]
         chosen = sorted(pool, key=lambda t: (t[0], t[1], t[2]))[:n]
@@ -298,7 +298,7 @@ def select_sublayers(
     kind = {"attn-cosine": "attention", "mlp-cosine": "mlp", "cosine": what}[method]
     if kind != what:
         raise LayercutError(f"method {method} scores {kind} sublayers, not {what}")
-    _check_count(n, scores.num_layers, f"{kind} sublayers")
+    check_count(n, scores.num_layers, f"{kind} sublayers")
     return lowest(scores.attn_importance if kind == "attention" else scores.mlp_importance, n)
 
 

@@ -2,7 +2,7 @@
 
 Run it::
 
-    from layercut.compress.quant.stage import QuantConfig, quantize_model
+    from layercut.compress.quant.driver import QuantConfig, quantize_model
     cfg = QuantConfig(bits=4, group_size=64)                    # asym, GPTQ, damp 0.01
     result = quantize_model(model, calib, cfg, bits={"model.layers.3.mlp.down_proj": 8})
     result = quantize_model(model, calib, cfg, bits={"model.layers.3.mlp.down_proj": (3, -1)})  # (bits, gs)
@@ -32,24 +32,19 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
 from layercut.calibrate.capture import BlockRun, run_blocks
 from layercut.calibrate.data import CalibSet
-from layercut.compress.arch import ArchSpec, arch_for, get_submodule
+from layercut.compress.arch import ArchSpec, arch_for, target_linears
 from layercut.compress.errors import LayercutError
-from layercut.compress.lazy import _trim_heap
-from layercut.compress.quant.gptq import (
-    SUPPORTED_BITS,
-    QuantResult,
-    gptq_quantize,
-    hessian_update,
-    rtn_quantize,
-)
+from layercut.compress.lazy import trim_heap
+from layercut.compress.quant.gptq import QuantResult, gptq_quantize, hessian_update, rtn_quantize
 from layercut.compress.quant.pack import pack_gptq
+from layercut.compress.quant.result import SUPPORTED_BITS, QuantizedLinear, QuantizeResult
 
 METHODS = ("gptq", "rtn")
 SEQUENTIAL = {"block": ((0, 1, 2, 3),), "sublayer": ((0, 1), (2, 3)), "linear": ((0,), (1,), (2,), (3,))}
@@ -93,47 +88,6 @@ class QuantConfig:
         return SOLVE_DTYPES[self.solve_dtype]
 
 
-@dataclass
-class QuantizedLinear:
-    """One quantized linear: packed GPTQ v1 tensors (CPU) and what the solve reported."""
-
-    name: str  # full module name, e.g. model.layers.3.self_attn.q_proj
-    bits: int
-    group_size: int
-    in_features: int
-    out_features: int
-    tensors: dict[str, Tensor]  # qweight, qzeros, scales (fp16), g_idx (see layercut.compress.quant.pack)
-    loss: float  # ½ tr(ΔW H ΔWᵀ), the layer's output error on calibration inputs (NaN for RTN)
-    damp_used: float
-    stored_bits: int = 0  # bits of qweight, qzeros and scales (kept when a streamed run frees the tensors)
-
-
-@dataclass
-class QuantizeResult:
-    """All quantized linears of a model, in forward order, plus timings."""
-
-    config: QuantConfig
-    layers: dict[str, QuantizedLinear] = field(default_factory=dict)
-    seconds: float = 0.0
-    solve_seconds: float = 0.0  # time inside gptq_quantize / rtn_quantize
-    tokens: int = 0  # calibration tokens (non-pad) per Hessian
-
-    def bits(self) -> dict[str, int]:
-        return {n: q.bits for n, q in self.layers.items()}
-
-    def configs(self) -> dict[str, tuple[int, int]]:
-        """(bits, group size) per quantized linear; group size -1 = one group per row."""
-        return {n: (q.bits, q.group_size) for n, q in self.layers.items()}
-
-    def avg_bits(self) -> float:
-        """Stored bits per quantized weight, scales (fp16) and packed zeros included."""
-        total = sum(q.in_features * q.out_features for q in self.layers.values())
-        return sum(q.stored_bits for q in self.layers.values()) / total
-
-
-# ----------------------------------------------------------------------- targets
-
-
 def linear_weight(module: nn.Module, conv1d: bool) -> Tensor:
     """W [out, in] of a Linear (GPT-2's Conv1D stores it transposed)."""
     return module.weight.T if conv1d else module.weight
@@ -142,18 +96,6 @@ def linear_weight(module: nn.Module, conv1d: bool) -> Tensor:
 def set_weight(module: nn.Module, W: Tensor, conv1d: bool) -> None:
     w = W.T if conv1d else W
     module.weight.data.copy_(w.to(module.weight.dtype))
-
-
-def target_linears(model: nn.Module, spec: ArchSpec | None = None) -> list[tuple[int, int, str, nn.Module]]:
-    """(block index, group index, full name, module) of every linear GPTQ quantizes, forward order."""
-    spec = spec or arch_for(model)
-    prefix = spec.layers_path()
-    out = []
-    for i, block in enumerate(spec.layers_of(model)):
-        for g, group in enumerate(spec.groups):
-            for path in group:
-                out.append((i, g, f"{prefix}.{i}.{path}", get_submodule(block, path)))
-    return out
 
 
 def is_quantized_model(model: nn.Module) -> bool:
@@ -449,7 +391,7 @@ def quantize_model(
                 result.solve_seconds += time.perf_counter() - t0
                 _apply_group(items, Ws, parts, spec.conv1d, result)
                 del parts, Ws  # before the next group's solve: its codes and dequantized weights
-                _trim_heap()  # and the heap pages its [in, in] temporaries left behind
+                trim_heap()  # and the heap pages its [in, in] temporaries left behind
                 result.tokens = hs.n[g]  # the Hessian was freed with the solve, before the next group's
         run.invalidate()  # the next block sees this block's quantized outputs
 
