@@ -90,7 +90,8 @@ def int_list(value: str | list[int], what: str) -> list[int]:
 
 
 def torch_dtype(name: str, path=None):
-    """A ``--dtype`` name as a torch dtype; ``auto`` = the checkpoint's own (fp32 if it names none)."""
+    """A ``--dtype`` name as a torch dtype; ``auto`` = the checkpoint's own (fp32 if it names none,
+    and for a quantized checkpoint stored in fp16)."""
     import json
 
     import torch
@@ -103,6 +104,10 @@ def torch_dtype(name: str, path=None):
             cfg = {}
         stored = cfg.get("dtype") or cfg.get("torch_dtype") or (cfg.get("text_config") or {}).get("dtype")
         name = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(str(stored), "fp32")
+        if name == "fp16" and cfg.get("quantization_config"):
+            # a GPTQ checkpoint stores its unquantized tensors in fp16 by convention, which says
+            # nothing about the range its activations need (Gemma's overflow fp16): compute in fp32
+            name = "fp32"
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
