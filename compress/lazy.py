@@ -58,16 +58,9 @@ class TensorIndex:
 
         self.folder = Path(folder)
         check_weights(self.folder)  # missing shards, unknown tensors, truncation: one clear error
-        index = self.folder / "model.safetensors.index.json"
-        if index.is_file():
-            self.where = dict(json.loads(index.read_text())["weight_map"])
-        else:
-            from safetensors import safe_open
+        from layercut.export.shards import weight_map
 
-            self.where = {}
-            for file in sorted(self.folder.glob("*.safetensors")):
-                with safe_open(str(file), framework="pt") as fh:
-                    self.where.update({k: file.name for k in fh.keys()})
+        self.where = weight_map(self.folder)
         self._headers: dict[str, tuple[int, dict]] = {}
 
     def __contains__(self, name: str) -> bool:

@@ -147,8 +147,10 @@ def _file_digest(path: Path) -> str:
 
 def has_weights(folder: Path) -> bool:
     """Whether ``folder`` holds a complete-looking checkpoint: config plus one shard or an index."""
+    from layercut.export.shards import INDEX, SINGLE
+
     return (folder / "config.json").is_file() and (
-        (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+        (folder / SINGLE).is_file() or (folder / INDEX).is_file()
     )
 
 
@@ -245,7 +247,9 @@ def check_weights(path: Path) -> None:
     from safetensors import safe_open
 
     files = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
-    index_file = path / "model.safetensors.index.json"
+    from layercut.export.shards import INDEX
+
+    index_file = path / INDEX
     if not files and not index_file.is_file():
         pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
         hint = f" (found {', '.join(pickles)}; layercut never loads pickles)" if pickles else ""
@@ -259,11 +263,10 @@ def check_weights(path: Path) -> None:
                 keys[file.name] = set(fh.keys())
         except Exception as exc:
             raise LayercutError(f"{file}: corrupt safetensors file ({exc})") from exc
-    if index_file.is_file():
-        try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise LayercutError(f"{index_file}: not a safetensors index (no weight_map)") from exc
+    from layercut.export.shards import read_index
+
+    weight_map = read_index(path)
+    if weight_map is not None:
         for shard in sorted(set(weight_map.values())):
             if shard not in keys:
                 raise LayercutError(f"{path}: shard {shard} named in {index_file.name} is missing")

@@ -33,9 +33,9 @@ from layercut.compress.errors import LayercutError
 from layercut.compress.options import torch_dtype
 from layercut.compress.units import check_size
 from layercut.export.checkpoint import atomic_dir, check_output_dir
+from layercut.export.shards import INDEX
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-INDEX = "model.safetensors.index.json"
 # Files of a checkpoint that are not weights but travel with it (tokenizer, generation, GPTQ configs).
 # What an export writes itself (from the run), never copied over from the input checkpoint.
 _OWN_FILES = ("README.md", "report.json", "recipe.yaml")

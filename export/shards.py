@@ -31,6 +31,50 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
+def read_index(folder: str | os.PathLike) -> dict[str, str] | None:
+    """Tensor name -> shard file name from ``folder``'s safetensors index; None without an index.
+
+    The one reader of ``model.safetensors.index.json``; a file that is not an index is one
+    clear LayercutError.
+    """
+    from layercut.compress.errors import LayercutError
+
+    index = Path(folder) / INDEX
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not a mapping")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise LayercutError(f"{index}: not a safetensors index (no weight_map)") from exc
+    return dict(weight_map)
+
+
+def weight_map(folder: str | os.PathLike) -> dict[str, str]:
+    """Tensor name -> safetensors file name in ``folder``: the index when sharded, else every
+    file's header. LayercutError when there are no weights or a header is corrupt."""
+    from safetensors import safe_open
+
+    from layercut.compress.errors import LayercutError
+
+    folder = Path(folder)
+    indexed = read_index(folder)
+    if indexed is not None:
+        return indexed
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise LayercutError(f"{folder}: no .safetensors weights")
+    out: dict[str, str] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as fh:
+                out.update((k, file.name) for k in fh.keys())
+        except Exception as exc:  # safetensors raises its own error types
+            raise LayercutError(f"{file}: corrupt safetensors file ({exc})") from exc
+    return out
+
+
 _ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
              torch.bool: "BOOL"}

@@ -26,9 +26,10 @@ import torch
 from layercut.compress.depth.blocks import check_block_drop_supported, trim_config, validate_layers
 from layercut.compress.errors import LayercutError
 from layercut.compress.lazy import LazyModel
+from layercut.export.shards import INDEX
 
 WEIGHT_FILES = (".safetensors",)
-SKIP_FILES = {"config.json", "model.safetensors.index.json"}
+SKIP_FILES = {"config.json", INDEX}
 
 
 def drop_blocks_streamed(

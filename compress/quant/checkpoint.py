@@ -48,8 +48,8 @@ from layercut.compress.arch import arch_for, target_linears
 from layercut.compress.errors import LayercutError
 from layercut.compress.quant.result import QuantizeResult
 from layercut.export.checkpoint import atomic_dir
+from layercut.export.shards import INDEX
 
-INDEX = "model.safetensors.index.json"
 # meta.quantizer: who wrote it, and whose v1 packing convention it follows. GPTQModel refuses
 # to load *asymmetric* v1 checkpoints unless a "gptqmodel:>=0.9" entry vouches that zero
 # points were stored with its (post-0.9) offset handling; compress/quant/pack.py is bit-exact

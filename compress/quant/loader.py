@@ -19,7 +19,6 @@ On CPU QuantLinear runs the pure-torch reference dequant; on GPU the CUDA kernel
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 from pathlib import Path
@@ -28,20 +27,17 @@ import torch
 from torch import nn
 
 from layercut.compress.errors import LayercutError
-from layercut.compress.quant.checkpoint import INDEX, resolve_dynamic
+from layercut.compress.quant.checkpoint import resolve_dynamic
 from layercut.compress.quant.pack import packed_rows
 from layercut.compress.quant.qlinear import QuantLinear
 from layercut.compress.quant.result import SUPPORTED_BITS
+from layercut.export.shards import read_index
 
 
 def _weight_files(path: Path) -> list[Path]:
-    index = path / INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise LayercutError(f"{index}: not a valid safetensors index ({exc})") from None
-        files = sorted({path / f for f in weight_map.values()})
+    indexed = read_index(path)
+    if indexed is not None:
+        files = sorted({path / f for f in indexed.values()})
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:

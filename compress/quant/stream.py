@@ -35,8 +35,9 @@ from layercut.compress.lazy import LazyModel
 from layercut.compress.quant.checkpoint import quantization_config
 from layercut.compress.quant.driver import QuantConfig, quantize_model
 from layercut.compress.quant.result import QuantizeResult
+from layercut.export.shards import INDEX
 
-SKIP_FILES = {"config.json", "model.safetensors.index.json", "quantize_config.json"}
+SKIP_FILES = {"config.json", INDEX, "quantize_config.json"}
 
 
 def quantize_streamed(

@@ -62,26 +62,9 @@ def _spec_from_config(config: dict) -> ArchSpec:
 
 def _weight_map(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file (index when sharded, else every header)."""
-    from safetensors import safe_open
+    from layercut.export.shards import weight_map
 
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as exc:
-            raise LayercutError(f"{index}: not a safetensors index ({exc})") from exc
-        return {name: model_dir / file for name, file in weight_map.items()}
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise LayercutError(f"{model_dir}: no .safetensors weights")
-    out: dict[str, Path] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as fh:
-                out.update((k, file) for k in fh.keys())
-        except Exception as exc:  # safetensors raises its own error types
-            raise LayercutError(f"{file}: corrupt safetensors file ({exc})") from exc
-    return out
+    return {name: model_dir / file for name, file in weight_map(model_dir).items()}
 
 
 def _layer_keys(names: list[str], spec: ArchSpec, leaf: str) -> dict[int, str]:
