@@ -82,7 +82,7 @@ def test_parse_candidates_and_config():
     assert parse_candidate("4", 32) == (4, 32) and parse_candidate(8, 32) == (8, 32)
     assert QuantizeConfig(avg_bits=3.5, candidates="3g64,4ch,4", group_size=32).candidate_pairs() == [
         (3, 64), (4, -1), (4, 32)]
-    assert QuantizeConfig(avg_bits=3.5, candidates=[4, 8]).candidate_pairs() == [(4, 64), (8, 64)]  # old recipes
+    assert QuantizeConfig(avg_bits=3.5, candidates=[4, 8], group_size=64).candidate_pairs() == [(4, 64), (8, 64)]
     assert QuantizeConfig(avg_bits=3.5).candidate_pairs() is None and QuantizeConfig(avg_bits=3.5).unit == "group"
     with pytest.raises(ValueError, match="candidates must be among"):
         QuantizeConfig(avg_bits=3.5, candidates="5g64")

@@ -122,6 +122,17 @@ def _label(c: tuple[int, int]) -> str:
     return f"{c[0]}-bit per channel" if c[1] == -1 else f"{c[0]}-bit g{c[1]}"
 
 
+AUTO_GROUP_SIZES = (128, 64, 32)  # the group-size default: the first that divides every input size
+
+
+def auto_group_size(model: nn.Module) -> int:
+    """The default group size for ``model``: 128 (the GPTQ convention) where it divides every
+    quantized linear's input size, else the largest of 64, 32 that does, else -1 (one per row)."""
+    spec = arch_for(model)
+    sizes = {linear_weight(module, spec.conv1d).shape[1] for _, _, _, module in target_linears(model, spec)}
+    return next((g for g in AUTO_GROUP_SIZES if all(n % g == 0 for n in sizes)), -1)
+
+
 def check_model(
     model: nn.Module, cfg: QuantConfig, bits: Mapping[str, int | tuple[int, int]] | None = None
 ) -> list[tuple[int, int, str, nn.Module]]:

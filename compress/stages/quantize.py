@@ -79,7 +79,7 @@ def parse_candidates(value: str | list, group_size: int) -> list[tuple[int, int]
 class QuantizeConfig(StageConfig, TextOptions):
     """Options of ``layercut quantize`` and of a recipe's ``quantize`` stage.
 
-    >>> QuantizeConfig(avg_bits=3.5, candidates="3g64,4ch,8").candidate_pairs()
+    >>> QuantizeConfig(avg_bits=3.5, candidates="3g64,4ch,8", group_size=64).candidate_pairs()
     [(3, 64), (4, -1), (8, 64)]
     """
 
@@ -120,9 +120,11 @@ class QuantizeConfig(StageConfig, TextOptions):
                                                    "that fits the budget uniformly) and write it instead when the "
                                                    "mixed result's KL to the float model is not lower on held-apart "
                                                    "calibration sequences (about doubles the run time)")
-    group_size: int = Field(64, description="columns sharing one scale and zero point, -1 for one per row; "
-                                            "must divide every layer's input size (with --avg-bits: the group "
-                                            "size of bare candidate bits)")
+    group_size: int | None = Field(None, description="columns sharing one scale and zero point, -1 for one per "
+                                                     "row; must divide every layer's input size (with "
+                                                     "--avg-bits: the group size of bare candidate bits); none "
+                                                     "= 128 where it divides every quantized layer's input "
+                                                     "size, else 64, else 32, else -1 (the report says which)")
     sym: bool = Field(False, description="symmetric quantization (no zero point)")
     act_order: bool = Field(True, description="quantize columns in order of decreasing input energy")
     static_groups: bool = Field(True, description="fix each group's scale and zero from the original weight "
@@ -157,7 +159,7 @@ class QuantizeConfig(StageConfig, TextOptions):
             raise ValueError("give exactly one of bits (uniform) or avg_bits (allocated per unit)")
         if self.bits is not None and self.bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {', '.join(map(str, SUPPORTED_BITS))}, got {self.bits}")
-        if self.group_size != -1 and self.group_size <= 0:
+        if self.group_size is not None and self.group_size != -1 and self.group_size <= 0:
             raise ValueError(f"group_size must be -1 (one group per row) or positive, got {self.group_size}")
         if self.refine and (self.avg_bits is None or self.method != "gptq" or self.sensitivity != "loss"):
             raise ValueError("refine re-solves GPTQ's loss per unit: it needs avg_bits with method gptq and "
@@ -180,13 +182,16 @@ class QuantizeConfig(StageConfig, TextOptions):
 
     def candidate_pairs(self) -> list[tuple[int, int]] | None:
         """The listed (bits, group size) pairs; None = the default set (resolved per model)."""
-        return None if self.candidates is None else parse_candidates(self.candidates, self.group_size)
+        gs = 128 if self.group_size is None else self.group_size  # (bare widths are re-read once resolved)
+        return None if self.candidates is None else parse_candidates(self.candidates, gs)
 
     def core(self):
-        """The solver's settings (:class:`layercut.compress.quant.driver.QuantConfig`)."""
+        """The solver's settings (:class:`layercut.compress.quant.driver.QuantConfig`); an unresolved
+        default group size reads as 128 here, which :func:`apply` replaces by the model's own."""
         from layercut.compress.quant.driver import QuantConfig
 
-        return QuantConfig(bits=self.bits or 4, group_size=self.group_size, sym=self.sym,
+        gs = 128 if self.group_size is None else self.group_size
+        return QuantConfig(bits=self.bits or 4, group_size=gs, sym=self.sym,
                            act_order=self.act_order, static_groups=self.static_groups, group_aware=self.group_aware,
                            method=self.method, damp=self.damp, sequential=self.sequential,
                            solve_dtype=self.solve_dtype)
@@ -218,13 +223,19 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
     from layercut.compress.quant.refine import Refiner
     from layercut.compress.quant.sensitivity import allocation_units, expand_bits, measure_sensitivity
 
+    auto_gs = config.group_size is None
+    if auto_gs:  # the default: resolved from this model's input sizes
+        from layercut.compress.quant.driver import auto_group_size
+
+        config = config.model_copy(update={"group_size": auto_group_size(net)})
     cfg, gs = config.core(), config.group_size
     cfg.check()
     mixed = config.avg_bits is not None
     check_model(net, replace(cfg, group_size=-1) if mixed else cfg)  # mixed: group sizes are checked per unit
     device = resolve_device(config.device)
     sym = "symmetric" if config.sym else "asymmetric"
-    report: dict = {"method": config.method, "group_size": gs, "sym": config.sym, "act_order": config.act_order,
+    report: dict = {"method": config.method, "group_size": gs, "group_size_from": "default" if auto_gs else "given",
+                    "sym": config.sym, "act_order": config.act_order,
                     "static_groups": config.static_groups, "group_aware": config.group_aware,
                     "sequential": config.sequential, "damp": config.damp, "solve_dtype": config.solve_dtype,
                     "calib": config.text_label(),
