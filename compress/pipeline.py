@@ -44,7 +44,7 @@ from layercut.compress.errors import GateFailed, LayercutError
 from layercut.compress.recipe import Recipe
 from layercut.compress.resources import PeakRSS
 from layercut.compress.stages import stage_module
-from layercut.compress.stages.base import RunEnv, quality_report
+from layercut.compress.stages.base import VOLATILE, RunEnv, quality_report
 from layercut.export.checkpoint import atomic_dir, check_output_dir
 from layercut.export.export import probe_writable
 
@@ -237,8 +237,8 @@ _OUTPUTS = {
     "export": ("model", {}),
     "eval": ("eval.json", {}),
 }
-# timings, speeds and absolute paths stay out of a stage's report (report.json holds the timings)
-_VOLATILE = ("seconds", "output", "source", "timings", "tokens_per_s", "adapter")
+# timings, speeds and absolute paths stay out of a stage's report (report.json holds the timings):
+# the one list, layercut.compress.stages.base.VOLATILE, at the top level of each stage's report
 
 
 def _stage_report(report: dict, tmp: Path) -> dict:
@@ -252,7 +252,7 @@ def _stage_report(report: dict, tmp: Path) -> dict:
             return [rel(v) for v in x]
         return x.removeprefix(prefix) if isinstance(x, str) else x
 
-    return rel({k: v for k, v in report.items() if k not in _VOLATILE and not k.endswith("_seconds")
+    return rel({k: v for k, v in report.items() if k not in VOLATILE and not k.endswith("_seconds")
                 and not (k in ("model", "teacher") and isinstance(v, str))})
 
 

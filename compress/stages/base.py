@@ -59,10 +59,14 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
-_VOLATILE = ("seconds", "output", "source")  # timings and absolute paths: kept out of checkpoints
+# The one list of volatile report keys: timings, speeds, memory and absolute paths. They differ
+# between two runs of the same settings, so they stay out of the reports written into
+# checkpoints (quantize.json, heal.json, report.json, ...) and out of the resume comparison.
+VOLATILE = ("seconds", "timings", "wall_s", "cpu_s", "total_wall_s", "total_cpu_s", "tokens_per_s", "peak_rss_mb",
+            "rss_method", "output", "source", "input", "adapter")
 
 
-def strip_volatile(data: Any, keys: tuple[str, ...] = _VOLATILE) -> Any:
+def strip_volatile(data: Any, keys: tuple[str, ...] = VOLATILE) -> Any:
     """``data`` without the named keys at any depth, nor any ``*_seconds`` key.
 
     >>> strip_volatile({"a": 1, "seconds": 2.0, "x": [{"solve_seconds": 1, "b": 2}]})
@@ -77,18 +81,8 @@ def strip_volatile(data: Any, keys: tuple[str, ...] = _VOLATILE) -> Any:
 
 
 def quality_report(report: dict) -> dict:
-    """The run report without timings, RSS and speed: what goes inside the checkpoint."""
-    volatile = {"wall_s", "cpu_s", "peak_rss_mb", "rss_method", "total_wall_s", "total_cpu_s", "seconds",
-                "tokens_per_s", "source", "input"}
-
-    def strip(x):
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if k not in volatile}
-        if isinstance(x, list):
-            return [strip(v) for v in x]
-        return x
-
-    return strip(report)
+    """The run report without timings, RSS, speed and absolute paths: what goes inside the checkpoint."""
+    return strip_volatile(report)
 
 
 def load_streamed(path: Path, dtype: str, env: RunEnv, whole_model: bool, what: str):

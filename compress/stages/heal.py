@@ -46,7 +46,6 @@ def _train_dtype(name: str, path):
     return dtype
 
 
-_HEAL_VOLATILE = ("seconds", "output", "source", "tokens_per_s", "adapter")
 
 
 def _dims(config) -> tuple[int | None, int | None]:
@@ -107,7 +106,7 @@ def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv 
     info_file = out / "heal.json"
     losses: list[float] = []
     if info_file.is_file():  # no timings or paths inside the checkpoint: reruns are byte-identical
-        info = strip_volatile(json.loads(info_file.read_text()), _HEAL_VOLATILE)
+        info = strip_volatile(json.loads(info_file.read_text()))
         info_file.write_text(json.dumps(info, indent=2, default=str) + "\n")
         losses = info.get("losses") or []
     report = result.to_dict()
