@@ -235,3 +235,19 @@ def test_interrupted_write_leaves_no_partial_stage(ws, tmp_path):
     assert errors == ["error: interrupted"], res.stderr
     assert sorted(p.name for p in out.iterdir()) == ["recipe.yaml", "run.log"]  # no stage, no temp folder
     assert res.stdout == ""
+
+
+@pytest.mark.parametrize("size", ["1TB", "2TiB"])
+def test_export_max_shard_size_in_tb_writes(size, tmp_path, tiny_model_dir):
+    """``--max-shard-size 1TB`` passed validation, then the shard writer's own parser raised a bare
+    ValueError; now validation and writing share one parser."""
+    out = tmp_path / "big"
+    assert main(["-q", "export", str(tiny_model_dir("llama")), "-o", str(out), "--max-shard-size", size]) == 0
+    assert (out / "config.json").is_file() and list(out.glob("*.safetensors"))
+
+
+def test_export_bad_max_shard_size_is_one_line(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "bad"
+    assert main(["-q", "export", str(tiny_model_dir("llama")), "-o", str(out), "--max-shard-size", "40"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not like 500MB" in err[0] and not out.exists()
