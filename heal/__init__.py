@@ -12,21 +12,11 @@ table, dequantized inputs, compatibility checks), ``data`` (windows, top-k teach
 ``state`` (checkpoint / resume without pickles), ``train`` (the loop and the merge).
 """
 
-import sys
-import types
 
 if __name__ != "layercut.heal":  # a checkout on sys.path must not load a second copy
     raise ImportError("import layercut.heal, not heal: layercut installs one top-level package "
                       "(pip install -e . from the checkout)")
 
+from layercut import make_callable  # noqa: E402 (after the guard)
 
-class _CallableModule(types.ModuleType):
-    """``layercut.heal(...)`` is the Python API's :func:`layercut.api.heal`; see ``layercut/__init__.py``."""
-
-    def __call__(self, *args, **kwargs):
-        from layercut.api import heal
-
-        return heal(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+make_callable(__name__)  # layercut.heal(...) is the API's heal(); see layercut/__init__.py

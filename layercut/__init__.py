@@ -23,6 +23,8 @@ so ``layercut.export(model, tokenizer, path)`` and ``import layercut.export.card
 
 from __future__ import annotations
 
+import sys
+import types
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
@@ -53,6 +55,19 @@ _LAZY = {
 }
 
 __all__ = [*_LAZY, "__version__"]
+
+
+class _CallableModule(types.ModuleType):
+    """A subpackage that can be called: ``layercut.heal(...)`` is :func:`layercut.api.heal`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        api = import_module("layercut.api")
+        return getattr(api, self.__name__.rpartition(".")[2])(*args, **kwargs)
+
+
+def make_callable(module_name: str) -> None:
+    """Make the subpackage ``module_name`` callable as the API function of its last name."""
+    sys.modules[module_name].__class__ = _CallableModule
 
 
 def __getattr__(name: str) -> Any:

@@ -15,7 +15,10 @@ TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 
 mkdir -p "$TMP/src"
-git ls-files --cached --others --exclude-standard -z | tar --null -T - -cf - | tar -xf - -C "$TMP/src"
+# the working tree as git sees it (tracked and untracked-not-ignored files that exist)
+git ls-files -z --cached --others --exclude-standard \
+  | python -c "import os, sys; sys.stdout.write(''.join(p + '\0' for p in sys.stdin.read().split('\0') if os.path.isfile(p)))" \
+  | tar --null -T - -cf - | tar -xf - -C "$TMP/src"
 python -m pip wheel -q --no-deps -w "$TMP/dist" "$TMP/src" > "$TMP/wheel.log" 2>&1 || { cat "$TMP/wheel.log"; exit 1; }
 python -m pip install -q --no-deps --no-compile --target "$TMP/site" "$TMP"/dist/layercut-*.whl \
   > "$TMP/install.log" 2>&1 || { cat "$TMP/install.log"; exit 1; }
