@@ -103,7 +103,9 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     meta = {"machine": f"{platform.machine()} {os.cpu_count()} cpus", "date": time.strftime("%Y-%m-%d"),
             "samples": args.samples, "seq_len": args.seq_len, "batch_size": args.batch_size}
-    (RESULTS / "capture.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    from _results import write_merged  # benchmarks/_results.py (this script's folder is on sys.path)
+
+    write_merged(RESULTS / "capture.json", {"meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

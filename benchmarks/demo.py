@@ -177,7 +177,7 @@ def main_measure(args: argparse.Namespace) -> None:
 
     names = args.only.split(",") if args.only else list(RECIPES)
     out = Path(args.json_out)
-    data = json.loads(out.read_text()) if args.only and out.is_file() else {}
+    data = json.loads(out.read_text()) if out.is_file() else {}  # merge: recipes not rerun stay as stored
     data.setdefault("runs", {})
     model = Recipe.from_yaml(ROOT / RECIPES[names[0]]).model
     t0 = time.perf_counter()
@@ -278,12 +278,14 @@ def main_choose(args: argparse.Namespace) -> None:
     fitting = [r for r in rows if r["fits"]]
     pick = min(fitting, key=lambda r: r["ppl"]) if fitting else None
     out = Path(args.json_out or ROOT / "benchmarks/results/demo-choice.json")
-    out.write_text(json.dumps({
+    from _results import write_merged  # benchmarks/_results.py (this script's folder is on sys.path)
+
+    write_merged(out, {
         "rule": f"lowest perplexity on {VAL_TEXT} among candidates with weights <= {SIZE_LIMIT:.0%} of bf16, "
                 f"perplexity <= {PPL_LIMIT}x the original's and summed stage CPU time at one thread <= "
                 f"{CPU_BUDGET_S:.0f} s", "text": VAL_TEXT,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores", "candidates": rows,
-        "pick": pick and pick["name"], "pick_is_demo_recipe": bool(pick and pick["is_demo_recipe"])}, indent=1) + "\n")
+        "pick": pick and pick["name"], "pick_is_demo_recipe": bool(pick and pick["is_demo_recipe"])})
     print(f"pick: {pick and pick['name']} ({'is' if pick and pick['is_demo_recipe'] else 'is NOT'} "
           f"{RECIPES['demo']}); wrote {out}")
 

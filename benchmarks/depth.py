@@ -238,7 +238,9 @@ def main() -> None:
                    + ("" if args.text == DEFAULT_EVAL_TEXT else f" --text {args.text}"),
     }
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json_out).write_text(json.dumps(result, indent=2, default=str))
+    from _results import write_merged  # benchmarks/_results.py (this script's folder is on sys.path)
+
+    result = write_merged(args.json_out, result, indent=2, default=str)
     table = markdown(result)
     Path(args.md_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.md_out).write_text(table)

@@ -57,8 +57,9 @@ def main() -> None:
         lines.append(f"| {name} | {a['ppl']:.3f} | {b['ppl']:.3f} | {b['nll'] - a['nll']:+.5f} |")
     print("\n".join(lines))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "dtype.json").write_text(json.dumps({"command": "python benchmarks/dtype.py", "rows": rows},
-                                                   indent=2) + "\n")
+    from _results import write_merged  # benchmarks/_results.py (this script's folder is on sys.path)
+
+    write_merged(RESULTS / "dtype.json", {"command": "python benchmarks/dtype.py", "rows": rows}, indent=2)
 
 
 def _figures(r: dict) -> dict:

@@ -181,7 +181,9 @@ def main() -> None:
         print(f"{r['step']:<40} {r['cache']:<6} {r['seconds']:>7.2f} {qk:>9} {r['GB_per_s_of_checkpoint']:>10.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    from _results import write_merged  # benchmarks/_results.py (this script's folder is on sys.path)
+
+    write_merged(out, result)
     print(f"wrote {out}")
 
 

@@ -25,7 +25,6 @@ H = 2/N Σ x xᵀ (x: correlated, heavy-tailed synthetic activations). Reported 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -142,7 +141,9 @@ def main() -> None:
     }
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    from _results import write_merged  # benchmarks/_results.py (this script's folder is on sys.path)
+
+    write_merged(out, result)
     rel = [row["rel"] for row in rows]
     print(f"layercut / GPTQModel out_err: {min(rel):.3f}–{max(rel):.3f} over {len(rows)} settings; wrote {out}")
 

@@ -100,7 +100,9 @@ def main() -> None:
         return
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     r = run(args)
-    Path(args.json_out).write_text(json.dumps(r, indent=1) + "\n")
+    from _results import write_merged  # benchmarks/_results.py (this script's folder is on sys.path)
+
+    write_merged(args.json_out, r)
     print(table(r))
 
 

@@ -38,6 +38,8 @@ import argparse
 import json
 import math
 import os
+import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -128,7 +130,7 @@ def main() -> None:
     if args.from_json:
         report = json.loads(Path(args.from_json).read_text())
         md = markdown(report)
-        Path(args.md_out or default_outputs(report["eval"]["text"])[1]).write_text(md)
+        Path(args.md_out or report.get("md_out") or default_outputs(report["eval"]["text"])[1]).write_text(md)
         print(md)
         return
     json_default, md_default = default_outputs(args.text)
@@ -196,7 +198,8 @@ def main() -> None:
             "planned_runs": [f"{r['name']} seed={r['overrides'].get('seed', 0)}" for r in runs],
             "threads": args.threads, "machine": f"{os.cpu_count()}-core CPU, shared with other jobs",
             "runs": kept + results, "total_wall_s": time.perf_counter() - t_start,
-            "command": "HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal.py " + " ".join(sys.argv[1:]),
+            "command": "HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal.py " + shlex.join(sys.argv[1:]),
+            "md_out": os.path.relpath(args.md_out, ROOT),  # where --from-json renders this JSON back to
         }
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
@@ -306,6 +309,7 @@ def markdown(r: dict) -> str:
             lines.append(f"| {label} | {run['variant']} | {p['step']} | {p['ppl']:.2f} | "
                          f"{gaps(run['ppl_before'], p)} | {p['train_wall_s'] / 60:.1f} | {p['train_cpu_s'] / 60:.1f} |")
     lines += seed_summary(r)
+    lines += paired_summary(r)
     lines += ["", "Half the gap in log-perplexity recovered (the linear form reaches half earlier):", ""]
     for run in r["runs"]:
         rec = [(p, recovered(run["ppl_before"], p["ppl"], ppl0)["recovered_log"]) for p in run["points"]]
@@ -396,6 +400,34 @@ def per_step_lines(r: dict) -> list[str]:
         out += ["", "Without a teacher (LM loss, no cache), CPU time per step: "
                 + ", ".join(f"{run['name']} {v:.1f} s" for run, v in no_teacher) + "."]
     return out
+
+
+def paired_summary(r: dict) -> list[str]:
+    """Each run name against the first one, seed by seed (same student, last step): Δ log ppl."""
+    last = {}
+    for run in r["runs"]:
+        if run["points"]:
+            p = run["points"][-1]
+            last[(run["name"], run["variant"], p["step"], run["config"].get("seed", 0))] = p["ppl"]
+    if not r["runs"]:
+        return []
+    base = r["runs"][0]["name"]
+    lines = []
+    for name in dict.fromkeys(run["name"] for run in r["runs"]):
+        if name == base:
+            continue
+        d = [math.log(v) - math.log(last[(base, var, step, seed)]) for (n, var, step, seed), v in last.items()
+             if n == name and (base, var, step, seed) in last]
+        if len(d) > 1:
+            sd = statistics.stdev(d)
+            lines.append(f"| {name} − {base} | {len(d)} | {sum(d) / len(d):+.4f} | {min(d):+.4f} – {max(d):+.4f} | "
+                         f"{sd:.4f} | {sum(x < 0 for x in d)} of {len(d)} |")
+    if not lines:
+        return []
+    return ["", f"Paired by seed against **{base}** (same student and steps, last point): Δ log ppl = log ppl(run) − "
+            f"log ppl({base}); negative is better.", "",
+            "| runs | seeds | mean Δ log ppl | min – max | sd | seeds where the run is better |",
+            "|---|---:|---:|---:|---:|---:|", *lines]
 
 
 def seed_summary(r: dict) -> list[str]:

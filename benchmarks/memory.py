@@ -2,9 +2,15 @@
 
 Run::
 
-    python benchmarks/memory.py                       # every model x stage, writes results/memory.json
+    python benchmarks/memory.py                       # every model x default stage, writes results/memory.json
     python benchmarks/memory.py --models smollm2-135m --stages eval-streamed,eval-in-memory
+    python benchmarks/memory.py --models smollm2-135m --stages quantize-mixed           # not in the default set
+    python benchmarks/memory.py --models llama3-1b-2blocks --stages quantize,quantize-mixed   # the 2-block probe
+    python benchmarks/memory.py --timing --repeats 1 --eval-tokens 4096   # streamed vs whole wall time -> "timing"
     python benchmarks/memory.py --from-json           # print the table from the stored JSON
+
+Every invocation merges into the JSON: rows it does not rerun and the ``timing`` key stay as
+stored, and each new row records the ``command`` (flags) that produced it.
 
 Models, all stored in bf16:
 - ``smollm2-135m``: the bundled model, converted from its GGUF to bf16;
@@ -304,10 +310,15 @@ def main() -> None:
             if proc.returncode != 0:
                 print(proc.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"{name} {stage} failed")
-            rows[(name, stage)] = json.loads(proc.stdout.strip().splitlines()[-1])
+            rows[(name, stage)] = {**json.loads(proc.stdout.strip().splitlines()[-1]),
+                                   "command": f"python benchmarks/memory.py --models {name} --stages {stage}"
+                                              f" --eval-tokens {args.eval_tokens} --samples {args.samples}"
+                                              f" --seq-len {args.seq_len}"}
             print(table([rows[(name, stage)]]).splitlines()[-1], flush=True)
-            result = {"machine": platform.machine(), "cpus": os.cpu_count(), "eval_tokens": args.eval_tokens,
-                      "score_tokens": f"{args.samples} x {args.seq_len}",
+            # merge, never drop: keys this run does not produce (``timing``, rows of other models or
+            # stages) stay as stored
+            result = {**previous, "machine": platform.machine(), "cpus": os.cpu_count(),
+                      "eval_tokens": args.eval_tokens, "score_tokens": f"{args.samples} x {args.seq_len}",
                       "rows": sorted(rows.values(), key=lambda r: (ORDER.index(r["model"]), r["stage"]))}
             tmp = out_path.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(result, indent=2) + "\n")

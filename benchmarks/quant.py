@@ -142,6 +142,14 @@ ROWS: dict[str, dict] = {
     "mixed-3.5-no3ch": {"kind": "ours", "method": "gptq", "avg_bits": 3.5, "unit": "group", "sym": False,
                         "sensitivity": "loss", "refine": False, "seeds": True,
                         "candidates": "3g128,3g64,3g32,4ch,4g128,4g64,8ch"},
+    # the 3ch choice re-measured on a split no choice touched (--second-val), without the fallback
+    # check, so the KL is the allocation's own, with 3ch offered and without (the default set)
+    **{f"mixed-{budget}-{tag}-nofb": {"kind": "ours", "method": "gptq", "avg_bits": avg, "unit": "group", "sym": False,
+                                     "sensitivity": "loss", "refine": False, "seeds": True, "fallback_check": False,
+                                     "candidates": cands}
+       for budget, avg in (("3.297", BUDGET_3BIT), ("3.5", 3.5))
+       for tag, cands in (("3ch", "3ch,3g128,3g64,3g32,4ch,4g128,4g64,8ch"),
+                          ("no3ch", "3g128,3g64,3g32,4ch,4g128,4g64,8ch"))},
     "layercut-2-asym": {"kind": "ours", "method": "gptq", "bits": 2, "sym": False, "seeds": True},
     # layercut-3-asym again, run beside the mixed rows (same code and machine); see findings
     "layercut-3-asym-rerun": {"kind": "ours", "method": "gptq", "bits": 3, "sym": False, "seeds": True},
@@ -289,9 +297,10 @@ def child_ours(args, work: Path, name: str, spec: dict, seed: int) -> dict:
         MODEL, out, bits=spec.get("bits"), avg_bits=spec.get("avg_bits"), unit=spec.get("unit", "layer"),
         group_size=GS, sym=spec["sym"], method=spec["method"], sequential=spec.get("sequential", "block"),
         act_order=spec.get("act_order", True), static_groups=spec.get("static_groups", True),
-        group_aware=spec.get("group_aware", False), damp=args.damp, calib=DEFAULT_CALIB_TEXT,
-        solve_dtype=spec.get("solve_dtype", "float32"), refine=spec.get("refine", True),
-        candidates=spec.get("candidates"),
+        group_aware=spec.get("group_aware", False), damp=args.damp, calib=args.calib,
+        solve_dtype=spec.get("solve_dtype", "float32"),
+        refine=spec.get("refine", True) if spec.get("avg_bits") else False,  # uniform bits: refine is an error
+        candidates=spec.get("candidates"), **({"fallback_check": spec["fallback_check"]} if "fallback_check" in spec else {}),
         samples=args.samples, seq_len=args.seq_len, seed=seed, sensitivity=sens, progress=False, overwrite=True,
     )
     wall = time.perf_counter() - t0
@@ -336,7 +345,7 @@ def child_gptqmodel(args, work: Path, name: str, spec: dict, seed: int) -> dict:
     out = work / f"{name}-seed{seed}"
     t0 = time.perf_counter()
     tok = load_tokenizer(MODEL)
-    calib = calibration_batch(tok, DEFAULT_CALIB_TEXT, samples=args.samples, seq_len=args.seq_len, seed=seed)
+    calib = calibration_batch(tok, args.calib, samples=args.samples, seq_len=args.seq_len, seed=seed)
     data = [{"input_ids": calib.input_ids[i].tolist(), "attention_mask": calib.attention_mask[i].tolist()}
             for i in range(calib.num_samples)]
     qcfg, load_kw = gptqmodel_setup(spec, args.damp)
@@ -376,7 +385,7 @@ def child_sensitivity(args, work: Path) -> dict:
     from layercut.compress.quant.sensitivity import allocation_units, measure_sensitivity, rank_correlation
 
     model, tok = load_model(MODEL)
-    full = calibration_batch(tok, DEFAULT_CALIB_TEXT, samples=args.samples, seq_len=args.seq_len, seed=0)
+    full = calibration_batch(tok, args.calib, samples=args.samples, seq_len=args.seq_len, seed=0)
     calib = CalibSet(full.input_ids[:4, :256], full.attention_mask[:4, :256])
     units = allocation_units(model, "layer")
     cands = (2, 3, 4)
@@ -576,7 +585,8 @@ MIXED_VS = {"mixed-3.297": "layercut-3-asym-rerun", "mixed-3.5": "layercut-3-asy
             "mixed-2.5": "layercut-2-asym", "mixed-3.297-refine": "layercut-3-asym-rerun",
             "mixed-3.5-refine": "layercut-3-asym-rerun", "mixed-2.5-refine": "layercut-2-asym",
             # the no-3ch rows ran the float32 solve: their matched uniform row is solve32
-            "mixed-3.297-no3ch": "layercut-3-asym-solve32", "mixed-3.5-no3ch": "layercut-3-asym-solve32", "mixed-3.297-output": "layercut-3-asym-rerun"}
+            "mixed-3.297-no3ch": "layercut-3-asym-solve32", "mixed-3.5-no3ch": "layercut-3-asym-solve32", "mixed-3.297-output": "layercut-3-asym-rerun",
+            **{f"mixed-{b}-{t}-nofb": "layercut-3-asym-solve32" for b in ("3.297", "3.5") for t in ("3ch", "no3ch")}}
 
 
 def mixed_findings(data: dict) -> list[str]:
@@ -644,8 +654,9 @@ asymmetric v1 checkpoints unless a `gptqmodel:>=0.9` producer vouches for the ze
 convention, and `compress/quant/pack.py` is bit-exact with GPTQModel 7.6.0's packer.
 
 **Choices.** A group size that does not divide some linear's `in_features` is refused before
-any work (no silent per-layer fallback); the default group size is 64 because SmolLM2's
-hidden size 576 is not a multiple of 128. Linears that share an input (q/k/v, gate/up) are
+any work (no silent per-layer fallback); the default group size is 128 where it divides every
+quantized linear's input size, else 64, 32 or -1 (the report's `group_size_from` says so);
+SmolLM2's hidden size 576 is not a multiple of 128, so it gets 64. Linears that share an input (q/k/v, gate/up) are
 solved in one GPTQ call (rows are independent given H). The default column order is act-order
 with static groups (`--act-order --static-groups`, both on by default): columns are taken in
 descending diag(H), group scales/zeros come from the original weight, so `g_idx = i // 64` and
@@ -700,7 +711,33 @@ def write_md(data: dict, path: Path) -> None:
 # ------------------------------------------------------------------ parent side: driver
 
 
+VAL2_EVERY, VAL2_AT = 8, 3
+VAL2_DIR = Path(tempfile.gettempdir()) / "layercut-brown-val2"
+
+
+def second_val_split() -> tuple[str, str]:
+    """(eval text, calibration text) of ``--second-val``: brown-calib's documents (one per Brown file, in
+    ``calibrate/data/brown.json``'s file-id order) with index i % VAL2_EVERY == VAL2_AT held out for
+    evaluation, the rest left for calibration; exact documents, written as .jsonl (``text`` field)."""
+    from layercut.calibrate.sources import TextSource, documents
+
+    docs = list(documents(TextSource(source=DEFAULT_CALIB_TEXT)))
+    ids = json.loads((ROOT / "calibrate/data/brown.json").read_text())["splits"]["calib"]["file_ids"]
+    assert len(ids) == len(docs), (len(ids), len(docs))
+    VAL2_DIR.mkdir(parents=True, exist_ok=True)
+    val, calib = VAL2_DIR / "brown-val2.jsonl", VAL2_DIR / "brown-calib-minus-val2.jsonl"
+    for path, keep in ((val, True), (calib, False)):
+        rows = [json.dumps({"text": d, "file_id": f}) for i, (d, f) in enumerate(zip(docs, ids))
+                if (i % VAL2_EVERY == VAL2_AT) == keep]
+        text = "\n".join(rows) + "\n"
+        if not path.is_file() or path.read_text() != text:
+            path.write_text(text)
+    return str(val), str(calib)
+
+
 def default_outputs(text: str) -> tuple[str, str]:
+    if text.endswith("brown-val2.jsonl"):
+        return str(ROOT / "benchmarks/results/quant-brown-val2.json"), str(ROOT / "docs/results-quant-brown-val2.md")
     if text in (DEFAULT_EVAL_TEXT, "bundled:brown-heldout"):  # heldout: results from before the val/test split
         return str(ROOT / "benchmarks/results/quant.json"), str(ROOT / "docs/results-quant.md")
     slug = _slug(text)
@@ -714,6 +751,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--text", default=DEFAULT_EVAL_TEXT,
                     help="evaluation text (default %(default)s; bundled:brown-val to choose defaults)")
+    ap.add_argument("--calib", default=DEFAULT_CALIB_TEXT, help="calibration text of every row (default %(default)s)")
+    ap.add_argument("--second-val", action="store_true",
+                    help="a second validation split carved out of the calibration files: evaluate on brown-calib's "
+                         f"files i %% {VAL2_EVERY} == {VAL2_AT} (in file-id order, 50 of 400, every genre) and calibrate on the "
+                         "other 350 (both written as .jsonl under the temp dir); overrides --text and --calib")
     ap.add_argument("--damp", type=float, default=0.01, help="damping for every matched row (default %(default)s)")
     ap.add_argument("--seeds", default="0,1,2", help="calibration seeds for the rows marked 'seeds'")
     ap.add_argument("--run-seeds", help="run only these of --seeds now (e.g. 0 first for every row, the "
@@ -729,6 +771,8 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.second_val:
+        args.text, args.calib = second_val_split()
     json_default, md_default = default_outputs(args.text)
     args.json_out = args.json_out or json_default
     if args.child:
@@ -745,7 +789,7 @@ def main() -> None:
     data = _load(out)
     seeds = [int(s) for s in args.seeds.split(",")]
     setup = {"version": VERSION, "threads": int(THREADS), "samples": args.samples, "seq_len": args.seq_len,
-             "max_tokens": args.max_tokens, "group_size": GS, "model": MODEL, "calib": DEFAULT_CALIB_TEXT,
+             "max_tokens": args.max_tokens, "group_size": GS, "model": MODEL, "calib": args.calib,
              "text": args.text, "ctx": 512, "damp": args.damp, "seeds": seeds}
     if data.get("setup") and data["setup"] != setup:
         sys.exit(f"{out} was made with {data['setup']}; pass --restart to start afresh, or --json-out elsewhere")
@@ -769,7 +813,7 @@ def main() -> None:
             env = dict(os.environ, OMP_NUM_THREADS=THREADS, MKL_NUM_THREADS=THREADS)
             cmd = [sys.executable, __file__, "--child", name, "--seed", str(seed), "--work", str(work),
                    "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--max-tokens", str(args.max_tokens),
-                   "--text", args.text, "--damp", str(args.damp), "--json-out", str(out)]
+                   "--text", args.text, "--calib", args.calib, "--damp", str(args.damp), "--json-out", str(out)]
             print(f"== {key}", flush=True)
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

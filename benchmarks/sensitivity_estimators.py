@@ -184,7 +184,9 @@ def main() -> None:
     r.update(residual_energy_median=R, table=a.table, retest=a.retest if retest else None,
              command="OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/sensitivity_estimators.py "
                      + " ".join(sys.argv[1:]))
-    Path(a.json_out).write_text(json.dumps(r, indent=1) + "\n")
+    from _results import write_merged  # benchmarks/_results.py (this script's folder is on sys.path)
+
+    write_merged(a.json_out, r)
     print(render(r))
 
 

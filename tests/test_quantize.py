@@ -8,6 +8,7 @@ quantized model within fp16 tolerance. Bad input fails before any work, writing 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from layercut.calibrate.data import CalibSet, calibration_batch
 from layercut.compress.arch import target_linears
 from layercut.compress.cli import main
 from layercut.compress.errors import LayercutError
+from layercut.compress.quant.allocate import budget_bits, unit_cost
 from layercut.compress.quant.checkpoint import dynamic_overrides, resolve_dynamic, save_quantized
 from layercut.compress.quant.driver import QuantConfig, quantize_model
 from layercut.compress.quant.loader import load_quantized
@@ -315,9 +317,26 @@ def test_cli_avg_bits_writes_allocation(small_dir, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["avg_bits"] <= 3.7 + 1e-9 and report["avg_bits"] > report["uniform_avg_bits"]["2g32"]
     assert report["baseline"] == "2g32" and report["written"] == "mixed", report["fallback"]
-    assert report["fallback"]["kl_mixed"] < report["fallback"]["kl_uniform"]
+    # (mixed beating uniform 2-bit at 3.7 bits/weight says little: any mix of 2 and 4 bits should)
+    assert report["fallback"]["kept"] == ("mixed" if report["fallback"]["kl_mixed"] < report["fallback"]["kl_uniform"]
+                                          else "uniform")
     alloc = json.loads((out / "allocation.json").read_text())
     assert {u["bits"] for u in alloc["units"]} == {2, 4} and len(alloc["units"]) == 3 * 4
+    # Which units got 4 bits: the written choice is the exact optimum of the table it reports
+    # (brute force over the 2^12 choices under the budget), and that table is the loss
+    # sensitivity the report names. Red if the stage allocated on another table than it saved
+    # (e.g. unit names shuffled against their Δ, or the Δs of 2 and 4 bits swapped) or the solver
+    # returned a feasible but suboptimal pick.
+    units = alloc["units"]
+    assert {u["name"]: u["delta"] for u in units} == alloc["sensitivity"]["by_method"]["loss"]
+    cost = [[unit_cost(u["n_weights"], b, 32) for b in (2, 4)] for u in units]
+    budget = budget_bits(3.7, sum(u["n_weights"] for u in units))
+    feasible = [(sum(u["delta"][f"{b}g32"] for u, b in zip(units, pick)), pick)
+                for pick in itertools.product((2, 4), repeat=len(units))
+                if sum(c[b == 4] for c, b in zip(cost, pick)) <= budget]
+    best, best_pick = min(feasible)
+    assert tuple(u["bits"] for u in units) == best_pick
+    assert report["predicted_delta"] == pytest.approx(best, rel=1e-9)
     assert alloc["avg_bits"] == pytest.approx(report["avg_bits"])  # the cost model = the bytes written
     assert (out / "allocation.png").stat().st_size > 1000
     model = load_quantized(out)
