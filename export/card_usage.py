@@ -10,7 +10,7 @@ Three kinds (snippets in ``export/templates/usage-*.md``):
 
 - ``dense``: safetensors weights, stock ``AutoModelForCausalLM.from_pretrained``;
 - ``gptq``: GPTQ with one bit width; stock transformers loads it through optimum + gptqmodel;
-- ``gptq-mixed``: GPTQ with per-layer ``dynamic`` overrides, which only GPTQModel and vLLM apply.
+- ``gptq-mixed``: GPTQ with per-layer ``dynamic`` overrides, which GPTQModel applies (tested) and vLLM documents (untested here).
 
 The block sits between two HTML comments, so ``layercut push`` can replace the local path
 with the repo id in the card it uploads (:func:`set_usage`) without re-deriving the card.

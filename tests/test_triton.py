@@ -37,7 +37,8 @@ their dots in fp32; the values are identical (exact operands), but the bf16 tens
 instruction itself is only exercised on a GPU. Its fp32 -> bf16 cast truncates, so the kernel
 rounds bf16 outputs to nearest-even by hand, the same code on both. What the interpreter cannot
 check at all (tl.dot shape and dtype rules, layouts, shared memory) is checked by compiling
-every config to an sm_90 / sm_80 cubin with triton's bundled ptxas, no GPU needed.
+9 (config, bits, layout, dtype, arch) combinations to cubins with triton's bundled ptxas: each
+config once for sm_90, plus one more for sm_90 and two for sm_80; no GPU needed.
 """
 
 from __future__ import annotations
@@ -308,8 +309,8 @@ def test_forcing_triton_without_triton_is_a_clear_error():
 
 
 def test_kernels_compile_for_sm90_and_sm80():
-    """The GPU compile path (TTIR -> PTX -> cubin with triton's bundled ptxas) for every
-    config, bits, layout path and dtype: catches what the interpreter does not check
+    """The GPU compile path (TTIR -> PTX -> cubin with triton's bundled ptxas) for 9
+    combinations (each config once for sm_90, one more for sm_90, two for sm_80): catches what the interpreter does not check
     (tl.dot shape and dtype rules, bitcasts, layouts). Runs on CPU; nothing is launched."""
     import triton
     import triton.language as tl

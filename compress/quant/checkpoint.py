@@ -1,4 +1,5 @@
-"""Write GPTQ v1 checkpoints that stock transformers, GPTQModel, vLLM and layercut load.
+"""Write GPTQ v1 checkpoints that stock transformers (uniform bits), GPTQModel and layercut load
+(tested); vLLM is the format's documented consumer, untested here.
 
 Usage::
 
@@ -23,12 +24,12 @@ and ``model.safetensors.index.json`` (also for one shard), written atomically.
 
 ``bits`` / ``group_size`` are the base: the pair most weights have. ``dynamic`` holds
 GPTQModel's per-module overrides of both (omitted when every linear has the base pair, so
-a uniform checkpoint loads in stock transformers): keys are regexes that GPTQModel (PCRE) and vLLM (``re``) match from the start
+a uniform checkpoint loads in stock transformers): keys are regexes that GPTQModel (PCRE) matches, and vLLM (``re``; documented, untested here) would match, from the start
 of a module's full name, ``+:`` marking a positive override. They are written in the
 model's current layer numbering — after pruning, that is the final one. A whole layer at
 other bits is ``+:model\\.layers\\.3\\..*``; a fused group is e.g.
 ``+:model\\.layers\\.3\\.self_attn\\.(q_proj|k_proj|v_proj|qkv_proj)$`` — vLLM's fused
-module name is added so servers that fuse q/k/v (``qkv_proj``) match it too.
+module name is added so servers that fuse q/k/v (``qkv_proj``) match it too (untested).
 """
 
 from __future__ import annotations
