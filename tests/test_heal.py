@@ -152,7 +152,9 @@ def _held_apart(tokenizer, n: int = 8) -> CalibSet:
 
 def test_loss_goes_down_and_heals_kl_on_held_apart_text(tiny_tokenizer):
     teacher, student = _peaked()
-    cfg = HealConfig(steps=30, **TINY)
+    # lr 1e-2 on a tiny model: the decaying schedule lets the last steps settle (the default,
+    # constant, was chosen at the real model's lr 5e-4 and keeps bouncing here)
+    cfg = HealConfig(steps=30, schedule="cosine", **TINY)
     data = heal_data(tiny_tokenizer, cfg)
     test = _held_apart(tiny_tokenizer)
     trained = {tuple(row) for row in data.input_ids[:, 1:].tolist()}
