@@ -10,7 +10,8 @@ Every number is read from a stage report; nothing here measures anything.
 
 from __future__ import annotations
 
-from layercut.export.card_meta import hub_dataset_id, parse_hf
+from layercut.calibrate.sources import parse_hf
+from layercut.export.card_meta import hub_dataset_id
 from layercut.export.card_results import bundled_text_name
 
 USE = {"score": "calibration (layer scores)", "prune": "calibration (layer selection and fit)",
@@ -114,7 +115,7 @@ def _pair_text(label) -> str:
 def describe_source(src: str) -> str:
     """A text source for the body: Hub datasets linked, bundled and local texts named as such."""
     if src.startswith("hf:"):
-        name = parse_hf(src)[0]
+        name = parse_hf(src.removeprefix("hf:"))[0]
         if hub_dataset_id(name):
             return f"[`{src}`](https://huggingface.co/datasets/{name}) (Hub dataset)"
         return f"`{src}` (local dataset, not on the Hub)"

@@ -22,6 +22,7 @@ import os
 import re
 from pathlib import Path
 
+from layercut.calibrate.sources import parse_hf
 from layercut.compress.models import HUB_ID, source_info
 
 DATA_KEYS = ("calib", "calibration", "data", "text")  # where stage configs and reports name text sources
@@ -136,13 +137,6 @@ def _is_source(text: str) -> bool:
     return text.startswith(("hf:", "bundled:")) or text.endswith((".txt", ".gz", ".jsonl", ".json"))
 
 
-def parse_hf(spec: str) -> tuple[str, str | None, str | None]:
-    """``hf:NAME[:CONFIG][@SPLIT]`` -> (NAME, CONFIG, SPLIT)."""
-    name, _, split = spec.removeprefix("hf:").partition("@")
-    name, _, config = name.partition(":")
-    return name, config or None, split or None
-
-
 def hub_dataset_id(name: str) -> str | None:
     """``name`` if it can only be a Hub dataset id: not a local folder, file or file builder."""
     if not _DATASET_ID.match(name) or name.lower() in LOCAL_BUILDERS or Path(name).expanduser().exists():
@@ -155,7 +149,7 @@ def hub_datasets(sources: list[tuple[str, str]]) -> list[str]:
     out = []
     for stage, src in sources:
         if stage in TRAIN_STAGES and src.startswith("hf:"):
-            ds = hub_dataset_id(parse_hf(src)[0])
+            ds = hub_dataset_id(parse_hf(src.removeprefix("hf:"))[0])
             if ds and ds not in out:
                 out.append(ds)
     return out

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult
 
-from layercut.export.card_meta import hub_dataset_id, parse_hf
+from layercut.calibrate.sources import parse_hf
+from layercut.export.card_meta import hub_dataset_id
 
 TASK = "text-generation"
 
@@ -29,7 +30,7 @@ TASK = "text-generation"
 def describe_text(source: str) -> dict:
     """``dataset_type``, ``dataset_name`` (+ config, split) of a text source, honestly."""
     if source.startswith("hf:"):
-        name, config, split = parse_hf(source)
+        name, config, split = parse_hf(source.removeprefix("hf:"))
         hub = hub_dataset_id(name)
         return {"dataset_type": hub or f"local:{Path(name).name}", "dataset_name": name,
                 "dataset_config": config, "dataset_split": split}

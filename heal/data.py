@@ -108,6 +108,15 @@ def build_topk_cache(teacher: torch.nn.Module, data: CalibSet, k: int, temperatu
     return TopKCache(torch.cat(logps), torch.cat(idxs), torch.cat(tails), float(temperature), vocab)
 
 
+def distill_target(teacher: torch.nn.Module | TopKCache, data: CalibSet, cfg: HealConfig,
+                   progress: bool = True) -> torch.nn.Module | TopKCache:
+    """What the student learns from: with ``cfg.teacher_topk`` set, the teacher's top-k cache over
+    ``data`` (the teacher runs once and the caller can free it); otherwise the teacher itself."""
+    if isinstance(teacher, TopKCache) or not cfg.teacher_topk:
+        return teacher
+    return build_topk_cache(teacher, data, cfg.teacher_topk, cfg.temperature, cfg.batch_size, progress)
+
+
 class HealDataset(Dataset):
     """Item i = the sample drawn at position i of the training order (with its top-k if cached)."""
 

@@ -131,15 +131,21 @@ def model_dims(model: nn.Module) -> tuple[int, int, int]:
 
 def check_descendant(student: nn.Module, teacher: nn.Module) -> None:
     """Refuse a teacher the student cannot have been cut from (hidden size, vocab, depth)."""
-    s_hidden, s_vocab, s_layers = model_dims(student)
-    t_hidden, t_vocab, t_layers = model_dims(teacher)
-    if s_vocab != t_vocab:
+    check_dims(model_dims(student), model_dims(teacher))
+
+
+def check_dims(student: tuple[int | None, int | None, int | None],
+               teacher: tuple[int | None, int | None, int | None]) -> None:
+    """The one descendant check, on (hidden size, vocab, blocks) from modules or from configs
+    (the heal stage runs it on ``config.json`` before anything is loaded); None skips a field."""
+    (s_hidden, s_vocab, s_layers), (t_hidden, t_vocab, t_layers) = student, teacher
+    if None not in (s_vocab, t_vocab) and s_vocab != t_vocab:
         raise LayercutError(f"teacher has a different vocabulary ({t_vocab} logits vs the student's "
                             f"{s_vocab}): distillation needs the same tokenizer")
-    if s_hidden != t_hidden:
+    if None not in (s_hidden, t_hidden) and s_hidden != t_hidden:
         raise LayercutError(f"student is not a descendant of the teacher: hidden size {s_hidden} vs "
                             f"{t_hidden}")
-    if s_layers > t_layers:
+    if None not in (s_layers, t_layers) and s_layers > t_layers:
         raise LayercutError(f"student is not a descendant of the teacher: {s_layers} blocks vs the "
                             f"teacher's {t_layers}")
 

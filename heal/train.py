@@ -37,7 +37,7 @@ from layercut.calibrate.data import CalibSet
 from layercut.compress.errors import LayercutError
 from layercut.export.checkpoint import atomic_dir, check_output_dir, write_checkpoint_into
 from layercut.heal.config import HealConfig, HealResult
-from layercut.heal.data import HealDataset, TopKCache, build_topk_cache, heal_data
+from layercut.heal.data import HealDataset, TopKCache, distill_target, heal_data
 from layercut.heal.lora import (
     check_descendant,
     dequantize_modules,
@@ -93,16 +93,11 @@ def heal_model(
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    from layercut.compress.devices import resolve_device
+
     cfg = config if isinstance(config, HealConfig) else HealConfig.parse(config)
     out = check_output_dir(out_dir, overwrite) if out_dir is not None else None
-    state = Path(state_dir) if state_dir is not None else (default_state_dir(out) if out is not None else None)
-    if cfg.checkpoint_every and state is None:
-        raise LayercutError("checkpoint_every needs an output or a state directory")
-    resume_from = latest_state(state)
-    if cfg.resume and resume_from is None:
-        raise LayercutError(f"--resume: no heal checkpoint in {state}")
-    if resume_from is not None and not cfg.resume:
-        raise LayercutError(f"{state} holds an interrupted heal run: pass --resume to continue it, or remove it")
+    state, resume_from = _resume_point(cfg, out, state_dir)
     if cfg.loss != "lm" and teacher is None:
         raise LayercutError(f"loss '{cfg.loss}' needs a teacher")
     if isinstance(teacher, nn.Module):
@@ -112,26 +107,12 @@ def heal_model(
         data = heal_data(tokenizer, cfg)
     if data.num_samples != cfg.num_samples:
         raise LayercutError(f"heal data has {data.num_samples} sequences, config asks {cfg.num_samples}")
-    _, vocab, _ = model_dims(student)
-
-    from layercut.compress.devices import resolve_device
 
     accelerator = Accelerator(cpu=resolve_device(cfg.device).type == "cpu")  # auto: cuda when available
     set_seed(cfg.seed)
-    cache: TopKCache | None = None
-    if cfg.loss == "lm":
-        teacher = None
-    elif isinstance(teacher, TopKCache):
-        cache = teacher
-    elif cfg.teacher_topk:
-        teacher.to(accelerator.device)
-        cache = build_topk_cache(teacher, data, cfg.teacher_topk, cfg.temperature, cfg.batch, progress)
-    if cache is not None:
-        cache.check(data, vocab, cfg.temperature)
-        teacher = None
+    teacher, cache = _teacher_and_cache(teacher, student, data, cfg, accelerator.device, progress)
 
     quantized = dequantize_modules(student) > 0
-    notes = [REQUANTIZE_NOTE] if quantized else []
     use_cache = getattr(student.config, "use_cache", None)
     student.config.use_cache = False
     if cfg.gradient_checkpointing:
@@ -159,6 +140,58 @@ def heal_model(
     if rng is not None:
         restore_rng(rng)
 
+    step, tokens, seconds = _train(accelerator, model, teacher, loader, optimizer, params, cfg, start, losses,
+                                   state, callback, progress)
+    accelerator.wait_for_everyone()
+    peft_model = accelerator.unwrap_model(model)
+    peft_model.eval()
+    result = HealResult(
+        steps=step, tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+        loss_first=_mean(losses[:10]), loss_last=_mean(losses[-10:]),
+        trainable_params=sum(p.numel() for p in params), targets=names,
+        lora_modules=lora_module_count(peft_model), quantized_input=quantized, merged=True,
+        resumed_from=start, notes=[REQUANTIZE_NOTE] if quantized else [], losses=losses, config=cfg.model_dump())
+    merged = _finish(peft_model, tokenizer, cfg, out, overwrite, result, accelerator.is_main_process, use_cache)
+    result.model = merged
+    if state is not None and accelerator.is_main_process and state.exists():
+        shutil.rmtree(state, ignore_errors=True)  # the run completed: its training state is spent
+    return result
+
+
+def _resume_point(cfg: HealConfig, out: Path | None, state_dir: str | Path | None) -> tuple[Path | None, Path | None]:
+    """(training-state folder, the checkpoint to resume from or None), refusing a resume that
+    has nothing to resume and an interrupted run that is not asked to resume."""
+    state = Path(state_dir) if state_dir is not None else (default_state_dir(out) if out is not None else None)
+    if cfg.checkpoint_every and state is None:
+        raise LayercutError("checkpoint_every needs an output or a state directory")
+    resume_from = latest_state(state)
+    if cfg.resume and resume_from is None:
+        raise LayercutError(f"--resume: no heal checkpoint in {state}")
+    if resume_from is not None and not cfg.resume:
+        raise LayercutError(f"{state} holds an interrupted heal run: pass --resume to continue it, or remove it")
+    return state, resume_from
+
+
+def _teacher_and_cache(teacher, student: nn.Module, data: CalibSet, cfg: HealConfig, device,
+                       progress: bool) -> tuple[nn.Module | None, TopKCache | None]:
+    """(the teacher to run on the fly, or the top-k cache to read): exactly one of them, or
+    neither for ``loss="lm"``. A cache is checked against the data, vocabulary and temperature."""
+    if cfg.loss == "lm":
+        return None, None
+    if isinstance(teacher, nn.Module) and cfg.teacher_topk:
+        teacher.to(device)
+    target = distill_target(teacher, data, cfg, progress)
+    if not isinstance(target, TopKCache):
+        return target, None
+    target.check(data, model_dims(student)[1], cfg.temperature)
+    return None, target
+
+
+def _train(accelerator, model, teacher, loader, optimizer, params, cfg: HealConfig, start: int,
+           losses: list[float], state: Path | None, callback: StepCallback | None,
+           progress: bool) -> tuple[int, int, float]:
+    """The optimisation loop from step ``start``; appends to ``losses``, saves training state
+    every ``checkpoint_every`` steps. Returns (steps done, tokens seen, seconds)."""
     model.train()
     tokens, t0 = 0, time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=start, desc="heal", unit="step",
@@ -181,8 +214,7 @@ def heal_model(
         losses.append(value)
         tokens += int(batch["attention_mask"].sum())
         step += 1
-        elapsed = time.perf_counter() - t0
-        bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{tokens / elapsed:.0f}")
+        bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
         bar.update(1)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
             accelerator.wait_for_everyone()
@@ -192,22 +224,7 @@ def heal_model(
         if callback is not None:
             callback(step, value, accelerator.unwrap_model(model))
     bar.close()
-    seconds = time.perf_counter() - t0
-
-    accelerator.wait_for_everyone()
-    peft_model = accelerator.unwrap_model(model)
-    peft_model.eval()
-    result = HealResult(
-        steps=step, tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
-        loss_first=_mean(losses[:10]), loss_last=_mean(losses[-10:]),
-        trainable_params=sum(p.numel() for p in params), targets=names,
-        lora_modules=lora_module_count(peft_model), quantized_input=quantized, merged=True,
-        resumed_from=start, notes=notes, losses=losses, config=cfg.model_dump())
-    merged = _finish(peft_model, tokenizer, cfg, out, overwrite, result, accelerator.is_main_process, use_cache)
-    result.model = merged
-    if state is not None and accelerator.is_main_process and state.exists():
-        shutil.rmtree(state, ignore_errors=True)  # the run completed: its training state is spent
-    return result
+    return step, tokens, time.perf_counter() - t0
 
 
 def _loss(model: nn.Module, teacher: nn.Module | None, batch: dict, cfg: HealConfig) -> torch.Tensor:

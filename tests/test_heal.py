@@ -366,6 +366,14 @@ def test_cli_heal_bad_inputs(tiny_model_dir, tiny_tokenizer, tmp_path, capsys):
     tiny_tokenizer.save_pretrained(narrow)
     code, err = _cli_error(["heal", str(narrow), "--teacher", good, "-o", out], capsys)
     assert code == 2 and "not a descendant" in err and "hidden size" in err
+    # a student deeper than its teacher: refused from config.json, before either model loads
+    deep = tmp_path / "deep"
+    cfg = tiny_config("llama")
+    cfg.num_hidden_layers += 1
+    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(deep)
+    tiny_tokenizer.save_pretrained(deep)
+    code, err = _cli_error(["heal", str(deep), "--teacher", good, "-o", out], capsys)
+    assert code == 2 and "not a descendant" in err and "blocks" in err
     # --steps 0
     code, err = _cli_error(["heal", good, "--teacher", good, "-o", out, "--steps", "0"], capsys)
     assert code == 2 and "steps must be >= 1" in err
@@ -382,7 +390,7 @@ def test_cli_heal_bad_inputs(tiny_model_dir, tiny_tokenizer, tmp_path, capsys):
     code, err = _cli_error(["heal", good, "--teacher", good, "-o", out, "--targets", "nope", "--steps", "1",
                             "--seq-len", "16", "--batch", "1"], capsys)
     assert code == 2 and "unknown LoRA target" in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt", "narrow", "other-tok"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["deep", "empty.txt", "narrow", "other-tok"]
 
 
 def test_heal_model_refuses_foreign_teacher(tiny_tokenizer, tmp_path):

@@ -48,8 +48,9 @@ def _train_dtype(name: str, path):
 
 
 
-def _dims(config) -> tuple[int | None, int | None]:
-    return getattr(config, "hidden_size", None), getattr(config, "vocab_size", None)
+def _dims(config) -> tuple[int | None, int | None, int | None]:
+    return (getattr(config, "hidden_size", None), getattr(config, "vocab_size", None),
+            getattr(config, "num_hidden_layers", None))
 
 
 @on_device
@@ -63,8 +64,8 @@ def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv 
     from layercut.compress.errors import LayercutError
     from layercut.compress.models import load_model, load_tokenizer, resolve_model
     from layercut.export.checkpoint import check_output_dir
-    from layercut.heal.data import build_topk_cache, heal_data
-    from layercut.heal.lora import check_tokenizers
+    from layercut.heal.data import distill_target, heal_data
+    from layercut.heal.lora import check_dims, check_tokenizers
     from layercut.heal.state import default_state_dir
     from layercut.heal.train import heal_model
 
@@ -81,23 +82,15 @@ def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv 
     teacher_path = env.resolve(config.teacher, "teacher")
     if teacher_path is not None:
         check_tokenizers(tokenizer, load_tokenizer(teacher_path, trust))
-        s_hidden, s_vocab = _dims(AutoConfig.from_pretrained(student_path, trust_remote_code=trust))
-        t_hidden, t_vocab = _dims(AutoConfig.from_pretrained(teacher_path, trust_remote_code=trust))
-        if s_vocab != t_vocab:
-            raise LayercutError(f"teacher has a different vocabulary ({t_vocab} vs the student's {s_vocab})")
-        if s_hidden != t_hidden:
-            raise LayercutError(f"student is not a descendant of the teacher: hidden size {s_hidden} vs {t_hidden}")
+        check_dims(_dims(AutoConfig.from_pretrained(student_path, trust_remote_code=trust)),
+                   _dims(AutoConfig.from_pretrained(teacher_path, trust_remote_code=trust)))
     data = heal_data(tokenizer, config)
 
     teacher = None
     if teacher_path is not None and config.loss != "lm":
         teacher, _ = load_model(teacher_path, dtype=_train_dtype(config.dtype, teacher_path), trust_remote_code=trust)
-        if config.teacher_topk:
-            cache = build_topk_cache(teacher, data, config.teacher_topk, config.temperature, config.batch_size,
-                                     progress=env.progress)
-            del teacher
-            gc.collect()
-            teacher = cache
+        teacher = distill_target(teacher, data, config, env.progress)  # a top-k cache: the model is freed
+        gc.collect()
     student, _ = load_model(student_path, dtype=_train_dtype(config.dtype, student_path), trust_remote_code=trust)
     result = heal_model(student, teacher, tokenizer, config, out_dir=out, progress=env.progress, data=data,
                         overwrite=env.overwrite)
