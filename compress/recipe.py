@@ -33,14 +33,14 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from layercut.compress.depth.config import PruneConfig
 from layercut.compress.errors import BOUNDS, LayercutError, unknown_key_message
+from layercut.compress.eval_config import EvalConfig
 from layercut.compress.options import StageConfig
+from layercut.compress.select.config import ScoreConfig
 from layercut.compress.stages import config_types
-from layercut.compress.stages.eval import EvalConfig
-from layercut.compress.stages.export import ExportConfig
-from layercut.compress.stages.prune import PruneConfig
 from layercut.compress.stages.quantize import QuantizeConfig
-from layercut.compress.stages.score import ScoreConfig
+from layercut.export.config import ExportConfig
 from layercut.heal.config import HealConfig
 
 RECIPE_VERSION = 1

@@ -12,14 +12,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from layercut.compress.depth.config import PruneConfig
 from layercut.compress.errors import LayercutError
+from layercut.compress.eval_config import EvalConfig
 from layercut.compress.options import StageConfig
 from layercut.compress.recipe import Recipe
-from layercut.compress.stages.eval import EvalConfig
-from layercut.compress.stages.export import ExportConfig
-from layercut.compress.stages.prune import PruneConfig
+from layercut.compress.select.config import ScoreConfig
 from layercut.compress.stages.quantize import QuantizeConfig
-from layercut.compress.stages.score import ScoreConfig
+from layercut.export.config import ExportConfig
 from layercut.heal.config import HealConfig
 
 __all__ = ["load", "score", "prune", "heal", "quantize", "evaluate", "export", "run"]
@@ -61,8 +61,9 @@ def score(model, tokenizer, config: ScoreConfig | None = None, progress: bool = 
     from layercut.calibrate.data import calibration_batch
     from layercut.compress.arch import arch_for
     from layercut.compress.select import compute_scores
+    from layercut.compress.select.config import parse_methods
     from layercut.compress.select.driver import DATA_METHODS, rankings
-    from layercut.compress.stages.score import parse_methods, selections
+    from layercut.compress.stages.score import selections
 
     cfg = _config(ScoreConfig, config, options)
     methods = parse_methods(cfg.method)

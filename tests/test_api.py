@@ -31,7 +31,8 @@ def _state(model) -> dict[str, torch.Tensor]:
 
 def test_prune_in_memory_equals_prune_on_disk(tiny_model_dir, tmp_path):
     """layercut.prune (memory) and the prune stage's run (disk) give the same weights: one core."""
-    from layercut.compress.stages.prune import PruneConfig, run
+    from layercut.compress.depth.config import PruneConfig
+    from layercut.compress.stages.prune import run
 
     src = tiny_model_dir("llama")
     config = PruneConfig(drop=2, select="block-influence", replace="lstsq", samples=4, seq_len=32, batch_size=2)
@@ -50,7 +51,8 @@ def test_prune_in_memory_equals_prune_on_disk(tiny_model_dir, tmp_path):
 
 
 def test_score_in_memory_equals_score_on_disk(tiny_model_dir):
-    from layercut.compress.stages.score import ScoreConfig, run
+    from layercut.compress.select.config import ScoreConfig
+    from layercut.compress.stages.score import run
 
     src = tiny_model_dir("llama")
     config = ScoreConfig(method="block-influence,angular,gate-norm", drop=2, samples=4, seq_len=32, batch_size=2)
@@ -123,7 +125,8 @@ def test_api_evaluate_export_and_options(tiny_model_dir, tmp_path):
 
 def test_dtype_reaches_the_loader(tiny_model_dir):
     """--dtype is the load/compute dtype of every stage: bf16 evaluates close to, not equal to, fp32."""
-    from layercut.compress.stages.eval import EvalConfig, run
+    from layercut.compress.eval_config import EvalConfig
+    from layercut.compress.stages.eval import run
 
     src = tiny_model_dir("llama")
     assert next(layercut.load(src, dtype="bf16")[0].parameters()).dtype == torch.bfloat16

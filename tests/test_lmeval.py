@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from layercut.compress.cli import main
+from layercut.compress.eval_config import EvalConfig
 from layercut.compress.lmeval import INSTALL_HINT, TASK_DIR
-from layercut.compress.stages.eval import EvalConfig, run
+from layercut.compress.stages.eval import run
 from tests.conftest import import_extra
 
 REPO = Path(__file__).resolve().parents[1]

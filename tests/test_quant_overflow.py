@@ -34,7 +34,7 @@ def _loud_gemma3(path, tokenizer):
 
 
 def test_quantized_gemma3_with_large_activations_evaluates_finite(tmp_path, tiny_tokenizer):
-    from layercut.compress.stages.eval import EvalConfig
+    from layercut.compress.eval_config import EvalConfig
     from layercut.compress.stages.eval import run as evaluate
     from layercut.compress.stages.quantize import quantize_checkpoint
 

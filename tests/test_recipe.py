@@ -8,12 +8,12 @@ import typing
 import pytest
 import yaml
 
+from layercut.compress.depth.config import PruneConfig as PruneStage
 from layercut.compress.errors import LayercutError
+from layercut.compress.eval_config import EvalConfig as EvalStage
 from layercut.compress.recipe import STAGE_TYPES, Recipe, check_stage_order, load_recipe
-from layercut.compress.stages.eval import EvalConfig as EvalStage
-from layercut.compress.stages.export import ExportConfig as ExportStage
-from layercut.compress.stages.prune import PruneConfig as PruneStage
-from layercut.compress.stages.score import ScoreConfig as ScoreStage
+from layercut.compress.select.config import ScoreConfig as ScoreStage
+from layercut.export.config import ExportConfig as ExportStage
 
 BASE = {"version": 1, "model": "bundled:smollm2-135m",
         "stages": [{"prune": {"drop": "25%", "select": "block-influence", "replace": "lstsq"}}, "export",

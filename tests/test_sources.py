@@ -141,8 +141,8 @@ def test_cli_flags_describe_the_string_source():
     import argparse
 
     from layercut.compress.cli import build_parser
+    from layercut.compress.depth.config import PruneConfig
     from layercut.compress.stages.flags import config_from_args
-    from layercut.compress.stages.prune import PruneConfig
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["prune"]
     args = sub.parse_args(["m", "-o", "o", "--layers", "1", "--calib", "hf:/d@train[:10]", "--messages-field",
@@ -233,7 +233,7 @@ def test_bad_source_entries_in_a_recipe(entry, message):
 
 
 def test_flat_options_with_a_list_are_refused():
-    from layercut.compress.stages.score import ScoreConfig
+    from layercut.compress.select.config import ScoreConfig
 
     with pytest.raises(ValueError, match="text_field: these describe a single calib source"):
         ScoreConfig(calib=["bundled:brown-calib"], text_field="body")
@@ -265,8 +265,9 @@ def test_bundled_instruct_template_renders_conversations(hf_cache):
 
 # ---------------------------------------------------------------------------- the options reach every stage
 def test_score_reads_an_hf_field(tiny_model_dir, chat_folder):
+    from layercut.compress.select.config import ScoreConfig
     from layercut.compress.stages.base import RunEnv
-    from layercut.compress.stages.score import ScoreConfig, run
+    from layercut.compress.stages.score import run
 
     cfg = ScoreConfig(method="block-influence", calib=f"hf:{chat_folder}@train[:12]", text_field="body", samples=2,
                       seq_len=8)

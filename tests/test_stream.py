@@ -192,7 +192,8 @@ def test_prune_stage_streams_and_matches_whole_model(replace, tiny_model_dir, tm
 
     from safetensors.torch import load_file
 
-    from layercut.compress.stages.prune import PruneConfig, run
+    from layercut.compress.depth.config import PruneConfig
+    from layercut.compress.stages.prune import run
 
     src = tiny_model_dir("qwen2")
     kw = dict(drop=2, select="block-influence", replace=replace, samples=6, seq_len=32, batch_size=3)
@@ -212,7 +213,8 @@ def test_prune_stage_streams_and_matches_whole_model(replace, tiny_model_dir, tm
 def test_streamed_prune_keeps_a_bf16_checkpoint_bf16(tiny_tokenizer, tmp_path):
     from safetensors import safe_open
 
-    from layercut.compress.stages.prune import PruneConfig, run
+    from layercut.compress.depth.config import PruneConfig
+    from layercut.compress.stages.prune import run
 
     src = _save(build_tiny_model("llama"), tiny_tokenizer, tmp_path / "bf16", dtype=torch.bfloat16)
     run(PruneConfig(layers=[2]), str(src), tmp_path / "out")
@@ -223,7 +225,8 @@ def test_streamed_prune_keeps_a_bf16_checkpoint_bf16(tiny_tokenizer, tmp_path):
 
 
 def test_score_stage_streams_and_matches_whole_model(tiny_model_dir):
-    from layercut.compress.stages.score import ScoreConfig, run
+    from layercut.compress.select.config import ScoreConfig
+    from layercut.compress.stages.score import run
 
     kw = dict(method="angular,block-influence,attn-cosine", drop=2, samples=6, seq_len=32)
     streamed = run(ScoreConfig(**kw), str(tiny_model_dir("llama")), env=None)

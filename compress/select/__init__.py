@@ -8,38 +8,28 @@ Usage::
 
     layercut score bundled:smollm2-135m --method all --span 8 --json
 
-Modules: ``cores`` (tensor formulas), ``stage`` (driver callback, LayerScores, selection),
+Modules: ``config`` (the score stage's options), ``cores`` (tensor formulas), ``driver`` (driver
+callback, LayerScores, selection),
 ``gate_norm`` (data-free, from safetensors), ``swap_kl`` (diagnostic), ``plot`` (PNG).
 """
 
-from layercut.compress.select.driver import (
-    BLOCK_METHODS,
-    DATA_METHODS,
-    SUBLAYER_METHODS,
-    LayerScores,
-    compute_scores,
-    load_scores,
-    rankings,
-    select_blocks,
-    select_sublayers,
-)
-from layercut.compress.select.gate_norm import gate_norm_from_model, gate_norm_scores, gate_norm_select
-from layercut.compress.select.plot import plot_scores
-from layercut.compress.select.swap_kl import swap_kl_scores
+import importlib
 
-__all__ = [
-    "BLOCK_METHODS",
-    "DATA_METHODS",
-    "SUBLAYER_METHODS",
-    "LayerScores",
-    "compute_scores",
-    "gate_norm_from_model",
-    "gate_norm_scores",
-    "gate_norm_select",
-    "load_scores",
-    "plot_scores",
-    "rankings",
-    "select_blocks",
-    "select_sublayers",
-    "swap_kl_scores",
-]
+_DRIVER = "layercut.compress.select.driver"
+_EXPORTS = {
+    "BLOCK_METHODS": _DRIVER, "DATA_METHODS": _DRIVER, "SUBLAYER_METHODS": _DRIVER, "LayerScores": _DRIVER,
+    "compute_scores": _DRIVER, "load_scores": _DRIVER, "rankings": _DRIVER, "select_blocks": _DRIVER,
+    "select_sublayers": _DRIVER,
+    "gate_norm_from_model": "layercut.compress.select.gate_norm",
+    "gate_norm_scores": "layercut.compress.select.gate_norm",
+    "gate_norm_select": "layercut.compress.select.gate_norm",
+    "plot_scores": "layercut.compress.select.plot",
+    "swap_kl_scores": "layercut.compress.select.swap_kl",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):  # lazy (PEP 562): the torch-free select.config must not pull in torch
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,37 +17,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
-
-from layercut.compress.options import Dtype, SaveDtype, StageConfig
 from layercut.compress.stages.base import RunEnv
-from layercut.compress.units import check_size
-
-
-class ExportConfig(StageConfig):
-    """Options of ``layercut export`` and of a recipe's ``export`` stage."""
-
-    help: ClassVar[str] = "write a release checkpoint (safetensors + index, model card); dequantize GPTQ"
-    examples: ClassVar[tuple[str, ...]] = (
-        "layercut export runs/demo -o release",
-        "layercut export runs/demo/03-quantize/model -o dense --dequantize --save-dtype bf16",
-    )
-
-    stage: Literal["export"] = "export"
-    dequantize: bool = Field(False, description="turn a GPTQ checkpoint back into dense weights")
-    dtype: Dtype = Field("auto", description="dtype a dense model is read in (auto: the checkpoint's own)")
-    save_dtype: SaveDtype | None = Field(None, description="dtype of the written dense weights (none: as loaded)")
-    max_shard_size: str = Field("2GB", description="largest safetensors file, e.g. 500MB or 2GB")
-    card: bool = Field(True, description="write a README.md model card")
-    whole_model: bool = Field(False, description="load the whole model instead of copying a dense checkpoint "
-                                                 "tensor by tensor (--dequantize always loads it)")
-
-    @field_validator("max_shard_size")
-    @classmethod
-    def _size(cls, v: str) -> str:
-        return check_size(v)
+from layercut.export.config import ExportConfig
 
 
 def run(config: ExportConfig, source: str | Path, output: str | Path, env: RunEnv | None = None,
