@@ -444,6 +444,29 @@ def test_cli_prune_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert json.loads((out2 / "config.json").read_text())["layercut_drop_attention"]
 
 
+@pytest.mark.parametrize("args", [
+    ["--drop", "2", "--select", "block-influence", "--replace", "lstsq", "--samples", "4", "--seq-len", "32"],
+    ["--layers", "1,3"],
+    ["--drop", "2", "--what", "attention", "--select", "gate-norm"],
+    ["--layers", "2", "--what", "mlp"],
+])
+def test_dry_run_prints_the_plan_the_run_executes(args, tiny_model_dir, tmp_path, capsys):
+    """--dry-run writes nothing and prints the plan; the real run then removes exactly those layers
+    and ends at exactly the planned parameter count (maps merge into existing weights)."""
+    src = tiny_model_dir("llama")
+    assert _cli("prune", src, *args, "--dry-run", "--json") == 0
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert plan["dry_run"] is True and list(tmp_path.iterdir()) == []
+    out = tmp_path / "cut"
+    assert _cli("prune", src, "-o", out, *args, "--json") == 0
+    done = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("layers", "transform", "select", "num_layers_after", "params_before", "params_after", "description"):
+        assert plan[key] == done[key], key
+    assert plan["params_after"] < plan["params_before"]
+    # without --dry-run, -o stays required
+    assert _cli("prune", src, *args) == 2 and "-o/--output" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "family,args,message",
     [

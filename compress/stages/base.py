@@ -26,6 +26,7 @@ class RunEnv:
     trust_remote_code: bool = False
     overwrite: bool = False
     run_dir: Path | None = None
+    dry_run: bool = False  # plan only: print what the stage would do, write nothing (prune, quantize)
 
     def resolve(self, spec: str | None, what: str) -> Path | None:
         """A model option: ``source`` -> the run's source model, a spec -> its path, None -> None."""

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from layercut.compress.depth.config import PruneConfig
+from layercut.compress.depth.plan import PrunePlan
 from layercut.compress.devices import on_device
 from layercut.compress.errors import LayercutError
 from layercut.compress.stages.base import RunEnv, strip_volatile
@@ -34,16 +35,15 @@ PRUNE_VERSION = 1
 
 
 def choose(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
-           progress: bool = True) -> dict:
-    """Validate the request against ``model`` and pick the layers (scoring on data where asked).
-
-    Returns ``picked``, ``scores``, ``calib_set`` (None when no data is needed),
-    ``num_layers`` and ``params_before``. ``model`` may be a lazily loaded one
+           progress: bool = True) -> PrunePlan:
+    """Validate the request against ``model`` and plan the cut: pick the layers (scoring on data
+    where asked) and count what remains. ``model`` may be a lazily loaded one
     (:class:`layercut.compress.lazy.LazyModel`): scoring streams it block by block.
     """
     from layercut.calibrate.data import calibration_batch
     from layercut.compress.arch import arch_for, count_params
-    from layercut.compress.depth.prune import check_against_model, choose_layers, parse_layers
+    from layercut.compress.depth.plan import removed_params
+    from layercut.compress.depth.prune import check_against_model, choose_layers, parse_layers, transform_name
 
     picked = parse_layers(config.layers)
     count = config.count(len(arch_for(model).layers_of(model)))
@@ -60,54 +60,38 @@ def choose(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
         picked, scores = choose_layers(model, model_dir, config.what, count, select, calib_set, config.batch_size,
                                        progress, keep_first=replace != "none")
         check_against_model(model, config.what, count, picked, replace)
-    return {"picked": picked, "scores": scores, "calib_set": calib_set, "num_layers": num_layers,
-            "params_before": params_before}
+    calibration = {"text": config.text_label(), "samples": config.samples, "seq_len": config.seq_len} \
+        if calib_set is not None else None
+    return PrunePlan(what=config.what, layers=picked, select=select or "explicit",
+                     transform=transform_name(replace, config.fuse, config.fuse_calibrate), num_layers=num_layers,
+                     params_before=params_before,
+                     params_after=params_before - removed_params(model, config.what, picked),
+                     calibration=calibration, scores=scores, calib_set=calib_set)
 
 
 def apply(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
           progress: bool = True) -> tuple[object, dict]:
-    """The shared core: choose the layers and transform ``model`` in place; returns (model, report)."""
+    """The shared core: plan the cut and transform ``model`` in place; returns (model, report)."""
     from layercut.compress.arch import count_params
     from layercut.compress.depth.prune import prune_model as transform
 
     plan = choose(model, tokenizer, config, model_dir, progress)
-    picked, calib_set, replace = plan["picked"], plan["calib_set"], config.replace
+    replace = config.replace
     extra = {"stream": config.stream, "alpha": config.alpha} if replace != "none" else {}
-    fit_data = calib_set if (replace != "none" or config.fuse_calibrate) else None
-    model, details = transform(model, picked, config.what, replace, config.fuse, fit_data, config.batch_size,
+    fit_data = plan.calib_set if (replace != "none" or config.fuse_calibrate) else None
+    model, details = transform(model, plan.layers, config.what, replace, config.fuse, fit_data, config.batch_size,
                                progress, **extra)
     return model, report_of(config, plan, details, int(model.config.num_hidden_layers), count_params(model))
 
 
-def report_of(config: PruneConfig, plan: dict, details: dict, layers_after: int, params_after: int) -> dict:
+def report_of(config: PruneConfig, plan: PrunePlan, details: dict, layers_after: int, params_after: int) -> dict:
     """The prune report (``layercut_prune.json`` without timings), the same for both paths."""
-    from layercut.compress.depth.prune import transform_name
-
-    picked, select, replace = plan["picked"], config.select, config.replace
-    extra = {"stream": config.stream, "alpha": config.alpha} if replace != "none" else {}
-    report = {
-        "version": PRUNE_VERSION,
-        "what": config.what,
-        "layers": picked,
-        "select": select or "explicit",
-        "transform": transform_name(replace, config.fuse, config.fuse_calibrate),
-        "num_layers_before": plan["num_layers"],
-        "num_layers_after": layers_after,
-        "params_before": plan["params_before"],
-        "params_after": params_after,
-        "calibration": {"text": config.text_label(), "samples": config.samples, "seq_len": config.seq_len}
-        if plan["calib_set"] is not None else None,
-        **details,
-        **extra,
-        "scores": plan["scores"],
-    }
-    what = "blocks" if config.what == "block" else f"{config.what} sublayers"
-    how = {"drop": "dropped", "replace-lstsq": "replaced by a least-squares linear map merged into the "
-           "preceding block's down_proj", "replace-cosine": "replaced by a cosine-fitted linear map merged "
-           "into the preceding block's down_proj"}.get(report["transform"], report["transform"])
-    chosen = "chosen explicitly" if select is None else f"selected by {select}"
-    report["description"] = f"{what} {picked} of {plan['num_layers']} {how} ({chosen})"
-    report["removed_blocks" if config.what == "block" else "removed_sublayers"] = picked
+    if params_after != plan.params_after:  # the plan's count is what --dry-run prints: keep it honest
+        raise LayercutError(f"internal: planned {plan.params_after} parameters after the cut, wrote {params_after}")
+    extra = {"stream": config.stream, "alpha": config.alpha} if config.replace != "none" else {}
+    report = {"version": PRUNE_VERSION, **plan.to_dict(), "num_layers_after": layers_after,
+              "params_after": params_after, **details, **extra, "scores": plan.scores}
+    report["removed_blocks" if config.what == "block" else "removed_sublayers"] = plan.layers
     log.info("prune: %s", report["description"])
     return report
 
@@ -124,12 +108,12 @@ def _run_streamed(lazy, config: PruneConfig, model_dir: Path, output: str | Path
     plan = choose(lazy.model, tokenizer, config, model_dir, env.progress)
     details, edits = {}, None
     if config.replace != "none":
-        fits = fit_linear_maps(lazy.model, plan["picked"], plan["calib_set"], method=config.replace,
+        fits = fit_linear_maps(lazy.model, plan.layers, plan.calib_set, method=config.replace,
                                alpha=config.alpha, stream=config.stream, batch_size=config.batch_size,
                                progress=env.progress)
         details, edits = {"spans": [f.to_dict() for f in fits]}, map_edits(lazy, fits)
     with atomic_dir(output, env.overwrite) as tmp:
-        summary = write_without_blocks(lazy, tmp, plan["picked"], edits=edits)
+        summary = write_without_blocks(lazy, tmp, plan.layers, edits=edits)
         report = report_of(config, plan, details, summary["layers_after"], summary["params_after"])
         (tmp / "layercut_prune.json").write_text(json.dumps(strip_volatile(report), indent=2, default=str))
     return report
@@ -154,10 +138,13 @@ def run(config: PruneConfig, source: str | Path, output: str | Path, env: RunEnv
     from layercut.export.checkpoint import atomic_dir, check_output_dir, write_checkpoint_into
 
     env = env or RunEnv()
-    check_output_dir(output, env.overwrite)
+    if output is not None or not env.dry_run:
+        check_output_dir(output, env.overwrite)
     model_dir = resolve_model(source)
     start = time.perf_counter()
     streamable = config.what == "block" and not config.fuse
+    if env.dry_run:
+        return _dry_run(config, model_dir, source, output, env, start)
     lazy = load_streamed(model_dir, config.dtype, env, config.whole_model or not streamable, "prune")
     if lazy is not None:
         report = _run_streamed(lazy, config, model_dir, output, env)
@@ -178,6 +165,25 @@ def run(config: PruneConfig, source: str | Path, output: str | Path, env: RunEnv
     return {**report, "source": str(source), "output": str(output), "seconds": round(seconds, 3)}
 
 
+def _dry_run(config: PruneConfig, model_dir: Path, source, output, env: RunEnv, start: float) -> dict:
+    """The plan a run would execute; nothing is written. The model is read lazily where it
+    can be (scoring then streams one block at a time), else whole."""
+    from layercut.compress.models import load_model, load_tokenizer
+    from layercut.compress.options import torch_dtype
+    from layercut.compress.stages.base import load_streamed
+
+    lazy = load_streamed(model_dir, config.dtype, env, False, "prune")
+    if lazy is not None:
+        model = lazy.model
+    else:
+        model, _ = load_model(model_dir, dtype=torch_dtype(config.dtype, model_dir),
+                              trust_remote_code=env.trust_remote_code)
+    plan = choose(model, load_tokenizer(model_dir, env.trust_remote_code), config, model_dir, env.progress)
+    log.info("prune (dry run): %s", plan.describe())
+    return {**plan.to_dict(), "dry_run": True, "source": str(source),
+            "output": None if output is None else str(output), "seconds": round(time.perf_counter() - start, 3)}
+
+
 def _plot(report: dict, config: PruneConfig, path: Path) -> None:
     from layercut.compress.select import LayerScores, plot_scores
 
@@ -188,12 +194,13 @@ def _plot(report: dict, config: PruneConfig, path: Path) -> None:
     plot_scores(scores, path, highlight=highlight, title=f"{config.select}: {config.what} {layers} removed")
 
 
-def prune(model_spec: str, output: str | Path, *, overwrite: bool = False, progress: bool = True,
-          **options) -> dict:
+def prune(model_spec: str, output: str | Path | None, *, overwrite: bool = False, progress: bool = True,
+          dry_run: bool = False, **options) -> dict:
     """Load ``model_spec``, prune it, write a checkpoint to ``output``; return a report.
 
     ``options`` are :class:`layercut.compress.stages.prune.PruneConfig`'s (``drop``, ``select``,
-    ``layers``, ``replace``, ...); this is :func:`run` with keywords.
+    ``layers``, ``replace``, ...); this is :func:`run` with keywords. ``dry_run``: return the
+    plan (layers, transform, parameters after) and write nothing; ``output`` may then be None.
     """
     from pydantic import ValidationError
 
@@ -203,4 +210,4 @@ def prune(model_spec: str, output: str | Path, *, overwrite: bool = False, progr
         config = PruneConfig(**options)
     except ValidationError as exc:
         raise LayercutError(format_error(exc)) from None
-    return run(config, model_spec, output, RunEnv(overwrite=overwrite, progress=progress))
+    return run(config, model_spec, output, RunEnv(overwrite=overwrite, progress=progress, dry_run=dry_run))
