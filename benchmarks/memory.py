@@ -4,6 +4,7 @@ Run::
 
     python benchmarks/memory.py                       # every model x default stage, writes results/memory.json
     python benchmarks/memory.py --models smollm2-135m --stages eval-streamed,eval-in-memory
+    python benchmarks/memory.py --stages eval-quantized-streamed,eval-quantized-whole   # GPTQ checkpoints' eval
     python benchmarks/memory.py --models smollm2-135m --stages quantize-mixed           # not in the default set
     python benchmarks/memory.py --models llama3-1b-2blocks --stages quantize,quantize-mixed   # the 2-block probe
     python benchmarks/memory.py --timing --repeats 1 --eval-tokens 4096   # streamed vs whole wall time -> "timing"
@@ -39,6 +40,19 @@ heal loads the whole model (it does not stream yet):
 - ``heal``: 2 LoRA steps (rank 4, batch 1 × 64 tokens, the teacher's top-64 cache, the model as
   its own teacher) over the whole model in its own dtype (bf16), merged and written;
 - ``export``: a release checkpoint (card included), copied tensor by tensor in the source's dtype.
+- ``eval-quantized-streamed``: ``layercut eval`` of a 4-bit GPTQ checkpoint of the model (group size as in
+  ``quantize``) with exact KL to the bf16 original as the reference, both streamed one block at a time
+  (the quantized blocks' packed tensors read for their turn; :mod:`layercut.compress.stream_eval`).
+  The row's ``bf16_bytes`` and target are the bf16 original's; ``quant_bytes`` is the checkpoint's.
+- ``eval-quantized-whole``: the same with ``--whole-model`` (both models whole, non-quantized tensors in
+  float32: what every quantized eval did before), for contrast; SmolLM2 and 1B only (the 3B's fp32
+  reference alone would be 13 GB).
+  The 4-bit checkpoints are written once per model by ``--prepare-quantized`` (outside the measured
+  process) under ``$LAYERCUT_CACHE/bench-models``, with the quantize stage's streamed path:
+  SmolLM2 with GPTQ on 4 × 256 calibration tokens; the random 1B with GPTQ on only 2 × 64 tokens and
+  the random 3B with RTN (same GPTQ v1 tensors, shapes and ``quantization_config``; GPTQ's solve at
+  3B took 3,000 s in the ``quantize`` row, on a less loaded machine). Quality is meaningless on random weights; the eval's
+  memory depends only on the tensors' shapes and dtypes, which the method does not change.
 - ``quantize-mixed`` (only with ``--stages``): ``--avg-bits 3.5`` with the default candidates,
   the loss sensitivity on 2 sequences and the fallback check, all streamed. At 1B it takes hours
   on 2 cores, so it is measured on ``llama3-1b-2blocks`` (the 1B's shapes and embedding, 2 of its
@@ -68,7 +82,11 @@ SHAPES = {
                       num_key_value_heads=8, head_dim=128),
 }
 MODELS = ["smollm2-135m", "llama3-1b", "llama3-3b"]
-STAGES = ["eval-streamed", "eval-in-memory", "score", "prune-drop", "prune-lstsq", "quantize", "heal", "export"]
+STAGES = ["eval-streamed", "eval-in-memory", "score", "prune-drop", "prune-lstsq", "quantize", "heal", "export",
+          "eval-quantized-streamed", "eval-quantized-whole"]
+QUANTIZED_STAGES = ("eval-quantized-streamed", "eval-quantized-whole")
+# how the 4-bit checkpoint each eval-quantized row reads is made: (method, calibration sequences, tokens each)
+QUANT_RECIPE = {"smollm2-135m": ("gptq", 4, 256), "llama3-1b": ("gptq", 2, 64), "llama3-3b": ("rtn", 1, 16)}
 # --stages only: --avg-bits 3.5 (default candidates, fallback check on), hours at 1B on 2 cores; and the
 # 1B shape with 2 of its 16 blocks, whose per-block peak (which is what the streamed peak follows) is the 1B's
 EXTRA_STAGES = ["quantize-mixed"]
@@ -88,6 +106,26 @@ def model_dir(name: str) -> Path:
     if (folder / "config.json").is_file():
         return folder
     write_random_llama(folder, SHAPES[name], load_tokenizer("bundled:smollm2-135m"))
+    return folder
+
+
+def group_size(name: str) -> int:
+    return 64 if name.startswith("smollm2") else 128  # SmolLM2's 576 inputs are not a multiple of 128
+
+
+def quantized_dir(name: str) -> Path:
+    """The 4-bit checkpoint of ``name`` the eval-quantized rows read (written once; see the module doc)."""
+    from layercut.compress.models import cache_dir
+    from layercut.compress.stages.base import RunEnv
+    from layercut.compress.stages.quantize import QuantizeConfig
+    from layercut.compress.stages.quantize import run as run_quantize
+
+    method, samples, seq_len = QUANT_RECIPE[name]
+    folder = cache_dir() / "bench-models" / f"{name}-{method}-4bit-g{group_size(name)}"
+    if not (folder / "config.json").is_file():
+        cfg = QuantizeConfig(bits=4, group_size=group_size(name), method=method, samples=samples, seq_len=seq_len,
+                             batch_size=2)
+        run_quantize(cfg, str(model_dir(name)), folder, env=RunEnv(progress=False))  # atomic: all or nothing
     return folder
 
 
@@ -140,7 +178,7 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
     if stage in ("eval-streamed", "eval-in-memory"):
-        from layercut.compress.stages.eval import EvalConfig
+        from layercut.compress.eval_config import EvalConfig
         from layercut.compress.stages.eval import run as run_eval
 
         whole = stage == "eval-in-memory" or bool(os.environ.get("LAYERCUT_BENCH_WHOLE"))
@@ -149,8 +187,18 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
         cfg = EvalConfig(max_tokens=eval_tokens, reference=reference, whole_model=whole)
         res = run_eval(cfg, str(path), env=RunEnv(progress=False))["model"]
         out.update(ppl=res["ppl"], kl=res["kl"], tokens=res["tokens"])
+    elif stage in QUANTIZED_STAGES:
+        from layercut.compress.eval_config import EvalConfig
+        from layercut.compress.stages.eval import run as run_eval
+
+        qpath = quantized_dir(name)  # made by --prepare-quantized, outside this process's peak
+        cfg = EvalConfig(max_tokens=eval_tokens, reference=str(path), whole_model=stage == "eval-quantized-whole")
+        res = run_eval(cfg, str(qpath), env=RunEnv(progress=False))["model"]
+        method, n, seq = QUANT_RECIPE[name]
+        out.update(ppl=res["ppl"], kl=res["kl"], tokens=res["tokens"], quant_bytes=weight_bytes(qpath),
+                   quantized=f"4-bit g{group_size(name)} {method.upper()}, calibration {n} x {seq}")
     elif stage == "score":
-        from layercut.compress.stages.score import ScoreConfig
+        from layercut.compress.select.config import ScoreConfig
         from layercut.compress.stages.score import run as run_score
 
         cfg = ScoreConfig(method="angular,block-influence", drop=2, samples=samples, seq_len=seq_len)
@@ -159,7 +207,7 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
     elif stage in ("prune-drop", "prune-lstsq"):
         import tempfile
 
-        from layercut.compress.stages.prune import PruneConfig
+        from layercut.compress.depth.config import PruneConfig
         from layercut.compress.stages.prune import run as run_prune
 
         lstsq = dict(replace="lstsq", samples=samples, seq_len=seq_len) if stage == "prune-lstsq" else {}
@@ -174,7 +222,7 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
         from layercut.compress.stages.quantize import QuantizeConfig
         from layercut.compress.stages.quantize import run as run_quantize
 
-        group = 64 if name.startswith("smollm2") else 128  # SmolLM2's 576 inputs are not a multiple of 128
+        group = group_size(name)
         bits = dict(bits=4) if stage == "quantize" else dict(avg_bits=3.5, sensitivity_samples=2)
         cfg = QuantizeConfig(**bits, group_size=group, samples=samples, seq_len=seq_len, batch_size=4,
                              whole_model=bool(os.environ.get("LAYERCUT_BENCH_WHOLE")))
@@ -197,8 +245,8 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
                 run_heal(cfg, str(path), Path(tmp) / "out", env=RunEnv(progress=False))
                 out.update(tokens=2 * 64)
             else:
-                from layercut.compress.stages.export import ExportConfig
                 from layercut.compress.stages.export import run as run_export
+                from layercut.export.config import ExportConfig
 
                 run_export(ExportConfig(), str(path), Path(tmp) / "out", env=RunEnv(progress=False))
     else:
@@ -250,7 +298,7 @@ def timing(args, out_path: Path) -> None:
 
 
 ORDER = [*MODELS, "llama3-1b-2blocks"]
-WHOLE = ("eval-in-memory", "heal")  # load the whole model: the streaming target does not apply
+WHOLE = ("eval-in-memory", "heal", "eval-quantized-whole")  # load the whole model: the streaming target does not apply
 
 
 def table(rows: list[dict]) -> str:
@@ -279,12 +327,19 @@ def main() -> None:
     ap.add_argument("--from-json", action="store_true", help="print the stored table only")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "STAGE"), help=argparse.SUPPRESS)
     ap.add_argument("--prepare", metavar="MODEL", help=argparse.SUPPRESS)
+    ap.add_argument("--prepare-quantized", metavar="MODEL", help=argparse.SUPPRESS)
     ap.add_argument("--timing", action="store_true",
                     help="wall time streamed vs whole model on SmolLM2 (fp32), alternating, --repeats each")
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     if args.prepare:  # conversion / random-checkpoint writing stays out of the stage's own peak
         print(model_dir(args.prepare))
+        return
+    if args.prepare_quantized:  # so does quantizing it for the eval-quantized rows
+        import torch
+
+        torch.set_num_threads(1)
+        print(quantized_dir(args.prepare_quantized))
         return
     if args.child:
         print(json.dumps(child(*args.child, args.eval_tokens, args.samples, args.seq_len)))
@@ -300,9 +355,14 @@ def main() -> None:
     rows = {(r["model"], r["stage"]): r for r in previous["rows"]}
     for name in args.models.split(","):
         subprocess.run([sys.executable, __file__, "--prepare", name], check=True, capture_output=True)
+        if any(s in QUANTIZED_STAGES for s in args.stages.split(",")):
+            subprocess.run([sys.executable, __file__, "--prepare-quantized", name], check=True, capture_output=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
         for stage in args.stages.split(","):
             if stage == "eval-in-memory" and name != "smollm2-135m":
                 continue  # the whole-model path: measured on the small model only
+            if stage == "eval-quantized-whole" and name == "llama3-3b":
+                continue  # both models whole in float32: 13 GB of reference alone
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             proc = subprocess.run([sys.executable, __file__, "--child", name, stage,
                                    "--eval-tokens", str(args.eval_tokens), "--samples", str(args.samples),

@@ -161,6 +161,28 @@ ROWS: dict[str, dict] = {
     "layercut-3-asym-linear": {"kind": "ours", "method": "gptq", "bits": 3, "sym": False, "sequential": "linear"},
     "gptqmodel-3-asym-true-sequential": {"kind": "gptqmodel", "bits": 3, "sym": False, "matched": True,
                                          "true_sequential": True},
+    # issue 26: layercut's per-group scale search (gptq_quantize's scale_search; shrink factors 1, 0.95, ...,
+    # 0.75 of the min/max range), float32 solve: its baselines are the -solve32 rows; chosen on brown-val
+    **{f"layercut-{b}-asym-{ss}": {"kind": "ours", "method": "gptq", "bits": b, "sym": False, "solve_dtype": "float32",
+                                   "scale_search": ss, "seeds": True}
+       for b in (4, 3) for ss in ("hessian", "mse", "obs")},
+    # GPTQModel's `mse` option (its range search: p = 1, 0.99, ..., 0.21 of the min/max range per
+    # group, plain |w - q|^2 error, on the original weights under static groups) at the matched settings
+    "gptqmodel-4-asym-mse": {"kind": "gptqmodel", "bits": 4, "sym": False, "matched": True, "mse": 2.0,
+                             "seeds": True},
+    "gptqmodel-3-asym-mse": {"kind": "gptqmodel", "bits": 3, "sym": False, "matched": True, "mse": 2.0,
+                             "seeds": True},
+    # --- issue 26 part 6: kl-swap (compress/quant/swap.py) ---
+    # Δ_u = the true KL change of swapping unit u alone from the uniform 3g64 quant to its 3ch / 4g64
+    # quant (all three from one sequential pass at the 3g64 operating point), measured on
+    # sensitivity_samples x 256 calibration tokens held apart from the Hessians' and from the fallback
+    # check's; then the DP at uniform-3g64 bytes, the plan quantized sequentially, the fallback check.
+    # Against mixed-3.297-no3ch (the default allocator) at the same budget; chosen on brown-val.
+    **{f"mixed-3.297-klswap-{unit}-s{n}": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": unit,
+                                          "sym": False, "sensitivity": "kl-swap", "refine": False, "seeds": True,
+                                          "sensitivity_samples": n}
+       for unit in ("layer", "group") for n in (8, 16)},
+    # --- end kl-swap ---
 }
 # the test split reports; the column-order rows are the choice, made on the validation split
 TEST_ROWS = ["fp32", "rtn-4-asym", "rtn-3-asym", "layercut-4-asym", "gptqmodel-4-asym", "layercut-3-asym",
@@ -168,6 +190,13 @@ TEST_ROWS = ["fp32", "rtn-4-asym", "rtn-3-asym", "layercut-4-asym", "gptqmodel-4
              "sensitivity", "mixed-layer", "layercut-2-asym", "layercut-3-asym-rerun", "mixed-3.297", "mixed-3.5",
              "mixed-2.5", "mixed-3.297-output"]
 VAL_ROWS = ["fp32", "layercut-4-asym", "layercut-4-asym-gar", "layercut-4-asym-natural"]
+# issue 26's scale search: chosen on the validation split, then reported on the test split beside
+# GPTQModel with its `mse` option (the -solve32 rows are the matched no-search baselines)
+SCALE_VAL_ROWS = ["layercut-4-asym-solve32", "layercut-3-asym-solve32", "layercut-4-asym-obs", "layercut-3-asym-obs",
+                  "layercut-4-asym-hessian", "layercut-3-asym-hessian", "layercut-3-asym-mse"]
+SCALE_TEST_ROWS = ["layercut-4-asym-obs", "layercut-3-asym-obs", "gptqmodel-4-asym-mse", "gptqmodel-3-asym-mse"]
+TEST_ROWS += SCALE_TEST_ROWS
+VAL_ROWS += SCALE_VAL_ROWS
 
 
 def run_key(name: str, seed: int) -> str:
@@ -301,6 +330,9 @@ def child_ours(args, work: Path, name: str, spec: dict, seed: int) -> dict:
         solve_dtype=spec.get("solve_dtype", "float32"),
         refine=spec.get("refine", True) if spec.get("avg_bits") else False,  # uniform bits: refine is an error
         candidates=spec.get("candidates"), **({"fallback_check": spec["fallback_check"]} if "fallback_check" in spec else {}),
+        scale_search=spec.get("scale_search", "none"),  # explicit: rows without it are the no-search ones
+        **{k: spec[k] for k in ("scale_min", "scale_steps") if k in spec},
+        **{k: spec[k] for k in ("sensitivity_samples",) if k in spec},  # kl-swap rows
         samples=args.samples, seq_len=args.seq_len, seed=seed, sensitivity=sens, progress=False, overwrite=True,
     )
     wall = time.perf_counter() - t0
@@ -308,6 +340,7 @@ def child_ours(args, work: Path, name: str, spec: dict, seed: int) -> dict:
            "calib_tokens": report.get("tokens", 0) if spec["method"] == "gptq" else 0,
            "damp": args.damp if spec["method"] == "gptq" else None, "compute_dtype": "float32",
            "solve_dtype": spec.get("solve_dtype", "float32") if spec["method"] == "gptq" else None,
+           "scale_search": report.get("scale_search"), "scale_grid": report.get("scale_grid"),
            "solve_s": report["solve_seconds"],
            "phases_s": {DRIVER: report["quantize_seconds"],
                         "solves": report["solve_seconds"], "load, calibration draw, write": wall - report["quantize_seconds"]}}
@@ -332,7 +365,7 @@ def gptqmodel_setup(spec: dict, damp: float):
         return QuantizeConfig(bits=spec["bits"], group_size=GS, sym=spec["sym"], desc_act=False), {}
     qcfg = QuantizeConfig(bits=spec["bits"], group_size=GS, sym=spec["sym"], desc_act=True, static_groups=True,
                           act_group_aware=False, damp_percent=damp,
-                          true_sequential=spec.get("true_sequential", False))
+                          true_sequential=spec.get("true_sequential", False), mse=spec.get("mse", 0.0))
     return qcfg, {"dtype": torch.float32}
 
 
@@ -565,6 +598,7 @@ def findings(data: dict) -> list[str]:
                        f"{m['ppl']:.2f}: closes {100 * frac:.0f}% of the 3->4-bit gap ({p3:.2f} -> {p4:.2f}); "
                        f"bits {m.get('bits_histogram')}, sensitivity '{m.get('sensitivity')}'")
     out += mixed_findings(data)
+    out += scale_search_findings(data)
     lin = (runs_of(data, "layercut-3-asym-linear") or [None])[0]
     if lin and p3:
         out.append(f"sequential='linear' (4 Hessian passes/block) at 3-bit asym: ppl {lin['ppl']:.2f}, wall "
@@ -576,6 +610,57 @@ def findings(data: dict) -> list[str]:
             out.append(f"Spearman(KL, {proxy}) (4 × 256 calibration tokens, units quantized in natural column "
                        f"order): across layers at {per}; all (layer, bits) pairs {c['all_pairs']:.2f}; "
                        f"gains Δ(b)-Δ(b+1) {c['gains']:.2f}")
+    return out
+
+
+SCALE_LABELS = {"obs": "weights 1/[U]_jj², GPTQ's own column cost", "hessian": "weights H_jj",
+                "mse": "plain squared error"}
+
+
+def scale_search_findings(data: dict) -> list[str]:
+    """Issue 26: each scale-search row against its no-search baseline (same seeds: paired), GPTQModel's
+    ``mse`` option against GPTQModel without it, and layercut against GPTQModel's best setting."""
+    out = []
+
+    def kl_by_seed(name: str) -> dict[int, float]:
+        return {r.get("seed", 0): r["kl"] for r in runs_of(data, name) if r.get("kl") is not None}
+
+    for bits in (4, 3):
+        base = f"layercut-{bits}-asym-solve32"
+        for kind, label in SCALE_LABELS.items():
+            name = f"layercut-{bits}-asym-{kind}"
+            ours, ref = kl_by_seed(name), kl_by_seed(base)
+            seeds = sorted(set(ours) & set(ref))
+            if not seeds:
+                continue
+            rel = [100 * (ours[s] / ref[s] - 1) for s in seeds]
+            solve = [statistics.fmean(r["solve_s"] for r in runs_of(data, n) if r.get("seed", 0) in seeds)
+                     for n in (name, base)]
+            cpu = [statistics.fmean(r["cpu_s"] for r in runs_of(data, n) if r.get("seed", 0) in seeds)
+                   for n in (name, base)]
+            out.append(f"{bits}-bit scale search '{kind}' ({label}; shrink 1, 0.95, ..., 0.75), seeds "
+                       f"{','.join(map(str, seeds))}: KL {spread([ours[s] for s in seeds], '.4f')} vs no search "
+                       f"{spread([ref[s] for s in seeds], '.4f')} ({base}); per seed {', '.join(f'{x:+.1f}%' for x in rel)} "
+                       f"(mean {statistics.fmean(rel):+.1f}%); solves {solve[0]:.1f} s vs {solve[1]:.1f} s (wall; the "
+                       "machine was loaded differently: benchmarks/scale_search_cost.py has the CPU cost), process "
+                       f"CPU {cpu[0]:.0f} s vs {cpu[1]:.0f} s")
+        gm, gm_mse = kl_by_seed(f"gptqmodel-{bits}-asym"), kl_by_seed(f"gptqmodel-{bits}-asym-mse")
+        seeds = sorted(set(gm) & set(gm_mse))
+        if seeds:
+            out.append(f"{bits}-bit GPTQModel with mse=2 (its range search, 80 shrink steps) at matched settings, seeds "
+                       f"{','.join(map(str, seeds))}: KL {spread([gm_mse[s] for s in seeds], '.4f')} vs without "
+                       f"{spread([gm[s] for s in seeds], '.4f')}")
+        best = {n: statistics.fmean(v.values()) for n in (f"gptqmodel-{bits}-asym", f"gptqmodel-{bits}-asym-mse",
+                                                           f"gptqmodel-{bits}-asym-defaults")
+                if (v := kl_by_seed(n))}
+        mine = {n: statistics.fmean(v.values()) for n in (f"layercut-{bits}-asym-hessian", f"layercut-{bits}-asym-obs")
+                if (v := kl_by_seed(n))}
+        if best and mine:
+            gname = min(best, key=best.get)
+            for n, kl in mine.items():
+                out.append(f"{bits}-bit: {n} KL {kl:.4f} ({len(kl_by_seed(n))} seed(s)) vs GPTQModel's best setting "
+                           f"here, {gname}, {best[gname]:.4f} ({len(kl_by_seed(gname))} seed(s)): "
+                           f"{100 * (kl / best[gname] - 1):+.1f}% (issue 26's bar: -5% or lower)")
     return out
 
 
@@ -663,6 +748,18 @@ descending diag(H), group scales/zeros come from the original weight, so `g_idx 
 the checkpoint loads with `desc_act: false` everywhere. Column orders are compared on the
 validation split (`--text bundled:brown-val`, docs/results-quant-brown-val.md); the test split
 only reports.
+
+**Scale search** (issue 26; `--scale-search`, `compress/quant/gptq.py`): when a group's scale and
+zero are fixed (up front from the original weight under static groups), each row's min/max
+range is shrunk by the factor p in 1, 0.95, ..., 0.75 (`--scale-min`, `--scale-steps`) whose
+rounding error over the group is least: weighted by the Hessian diagonal H_jj (`hessian`),
+by GPTQ's own column cost 1/[U]_jj² (`obs`) or unweighted (`mse`). Rows `layercut-B-asym-KIND`
+run it with the float32 solve; their no-search baselines are the `-solve32` rows (same seeds).
+GPTQModel's `mse=2` option (rows `gptqmodel-B-asym-mse`) searches p = 1, 0.99, ..., 0.21 by
+unweighted error. The `hessian` rows of the test split and the 3-bit one of the validation split
+were re-run after a fix (a float32 Hessian's diagonal was read after the factorisation had
+overwritten it, which weighted by [U]_jj); the validation split's 4-bit `hessian` row ran
+before the bug was introduced.
 """
 
 
@@ -767,6 +864,8 @@ def main() -> None:
                     "quant-<text>.json otherwise")
     ap.add_argument("--md-out", help="default: docs/results-quant.md (test) or results-quant-<text>.md")
     ap.add_argument("--from-json", help="only re-render the markdown (to --md-out) from this JSON")
+    ap.add_argument("--forget", help="comma-separated stored runs (NAME/seedN) to remove from the JSON, e.g. runs "
+                                     "made by a build later found wrong; then re-render and exit")
     ap.add_argument("--work", help="folder for checkpoints and cached logits (default: a temp dir)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -777,6 +876,17 @@ def main() -> None:
     args.json_out = args.json_out or json_default
     if args.child:
         return run_child(args)
+    if args.forget:
+        with open(Path(args.json_out).with_name(Path(args.json_out).name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = _load(Path(args.json_out))
+            for key in args.forget.split(","):
+                print(f"forget {key}: {'removed' if data['runs'].pop(key, None) is not None else 'not stored'}")
+            tmp = Path(args.json_out).with_name(Path(args.json_out).name + ".tmp")
+            tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+            tmp.replace(Path(args.json_out))
+        write_md(data, Path(args.md_out or md_default))
+        return
     if args.from_json:
         data = _load(Path(args.from_json))
         write_md(data, Path(args.md_out or default_outputs(data["setup"]["text"])[1]))

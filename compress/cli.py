@@ -25,7 +25,7 @@ import sys
 from layercut.compress.errors import LayercutError
 
 # in the order `layercut --help` lists them
-COMMANDS = ("run", "score", "prune", "heal", "quantize", "eval", "export", "push")
+COMMANDS = ("run", "plan", "score", "prune", "heal", "quantize", "eval", "export", "push")
 STAGE_COMMANDS = ("score", "prune", "heal", "quantize", "eval", "export")
 # Third-party loggers that print noise unrelated to the user's command (torchao, pulled in
 # by gptqmodel, warns about CUDA-only .so files it cannot load on a CPU machine).
@@ -59,7 +59,7 @@ def version() -> str:
 
 
 def build_parser() -> Parser:
-    from layercut.compress.commands import push, run, stage
+    from layercut.compress.commands import plan, push, run, stage
 
     parser = Parser(prog="layercut", description="Post-training compression for causal language models.",
                     epilog="examples:\n  layercut run recipes/smollm2-demo.yaml -o runs/demo\n"
@@ -76,7 +76,7 @@ def build_parser() -> Parser:
         if name in STAGE_COMMANDS:
             stage.register(sub, name, **kw)
         else:
-            {"run": run, "push": push}[name].register(sub, **kw)
+            {"run": run, "plan": plan, "push": push}[name].register(sub, **kw)
     return parser
 
 

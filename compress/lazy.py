@@ -18,6 +18,15 @@ materialized in ``compute_dtype`` (float32 on CPU: a bf16 block is upcast for it
 The input embedding stays in the storage dtype and its output is upcast by a hook, so the
 rotary tables, which the model computes in the stream's dtype, are float32 as they are when
 the whole model is loaded in float32.
+
+GPTQ checkpoints (``allow_quantized=True``; what ``layercut eval`` and ``layercut score`` ask
+for): the skeleton's quantized linears are swapped for empty (meta)
+:class:`~layercut.compress.quant.qlinear.QuantLinear` layers by the loader's own per-module rule
+(:func:`layercut.compress.quant.loader.quantize_skeleton`: bits and group size from
+``quantization_config`` and its ``dynamic`` overrides, checked against the stored shapes).
+A block's turn then reads its packed tensors (``qweight``/``qzeros``/``scales``/``g_idx``/``bias``,
+kept in their stored dtypes) as well as its dense ones; releasing it sends both back to meta.
+Any module with a ``.qweight`` in the files takes that path, a quantized head included.
 """
 
 from __future__ import annotations
@@ -100,12 +109,25 @@ class TensorIndex:
             return torch.empty(info["shape"], dtype=dtype)
         return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
 
-    def dtype(self) -> torch.dtype:
-        """The dtype of the checkpoint's floating tensors (its first one)."""
+    def info(self, name: str) -> dict:
+        """A tensor's header entry (``dtype``, ``shape``, ``data_offsets``), read without its data."""
+        if name not in self.where:
+            raise LayercutError(f"{self.folder}: no tensor named {name} in the checkpoint")
+        _, header = self._header(self.where[name])
+        if name not in header:
+            raise LayercutError(f"{self.folder / self.where[name]}: no tensor named {name}")
+        return header[name]
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape, from the shard headers (no data read)."""
+        return {name: tuple(self.info(name)["shape"]) for name in self.where}
+
+    def dtype(self, skip: set[str] | frozenset[str] = frozenset()) -> torch.dtype:
+        """The dtype of the checkpoint's floating tensors (its first one not in ``skip``), from the headers."""
         for name in self.where:
-            tensor = self.get(name)
-            if tensor.is_floating_point():
-                return tensor.dtype
+            dtype = _ST_DTYPES.get(self.info(name)["dtype"])
+            if name not in skip and dtype is not None and dtype.is_floating_point:
+                return dtype
         return torch.float32
 
 
@@ -113,29 +135,47 @@ class LazyModel:
     """Skeleton on the meta device + a tensor index; see the module docstring."""
 
     def __init__(self, path: str | os.PathLike, storage_dtype: torch.dtype | str | None = None,
-                 compute_dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> None:
+                 compute_dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                 allow_quantized: bool = False) -> None:
+        import copy
+
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        from layercut.compress.arch import count_params
 
         self.path = Path(path)
         self.weights = TensorIndex(self.path)
         self.config = AutoConfig.from_pretrained(self.path, trust_remote_code=trust_remote_code)
-        if getattr(self.config, "quantization_config", None) is not None:
-            raise LayercutError(f"{self.path}: a quantized checkpoint cannot be streamed block by block yet")
-        self.storage_dtype = parse_dtype(storage_dtype) or self.weights.dtype()
+        quantized = getattr(self.config, "quantization_config", None) is not None
+        if quantized and not allow_quantized:
+            raise LayercutError(f"{self.path}: a quantized checkpoint cannot be streamed by this step")
+        shapes = self.weights.shapes() if quantized else {}
+        packed = {n for n in shapes if n.rpartition(".")[0] + ".qweight" in shapes}  # a quantized module's tensors
+        self.storage_dtype = parse_dtype(storage_dtype) or self.weights.dtype(skip=packed)
         self.compute_dtype = compute_dtype
+        dense_config = self.config
+        if quantized:  # the skeleton is the dense model; the quantized linears are swapped in below
+            dense_config = copy.deepcopy(self.config)
+            del dense_config.quantization_config
         with init_empty_weights(include_buffers=False):  # buffers (rotary tables) stay real
-            model = AutoModelForCausalLM.from_config(self.config, dtype=self.storage_dtype,
+            model = AutoModelForCausalLM.from_config(dense_config, dtype=self.storage_dtype,
                                                      trust_remote_code=trust_remote_code)
         self.model = model.eval()
         self.model._layercut_lazy = self  # lets run_blocks find the loader
+        self.quantized: set[str] = set()  # module paths of the QuantLinear layers (GPTQ checkpoints)
+        self.quantization_config: dict | None = None
+        if quantized:
+            from layercut.compress.quant.loader import quantize_skeleton
+
+            self.quantization_config, self.quantized = quantize_skeleton(self.model, self.config, shapes)
         self.spec = arch_for(self.model)
         self.num_blocks = len(self.spec.layers_of(self.model))
         self.names = self._checkpoint_names()
         self.tied = self._tied_pairs()
         for alias, owner in self.tied.items():  # share the meta parameter, as the loaded model does
             _set_param(self.model, alias, get_submodule(self.model, owner.rpartition(".")[0]).weight)
-        self.num_params = sum(p.numel() for p in self.model.parameters())  # tied ones counted once
+        self.num_params = count_params(self.model)  # tied ones once, a quantized linear as in x out
 
     def _checkpoint_names(self) -> dict[str, str]:
         """Model parameter name -> checkpoint tensor name, through transformers' key renamings."""
@@ -165,7 +205,9 @@ class LazyModel:
         if isinstance(keys, (list, tuple)):  # older transformers: a list of tied names
             keys = {k: f"{self.spec.base}.{self.spec.embed}.weight" for k in keys}
         tie = getattr(self.config.get_text_config(), "tie_word_embeddings", False)
-        return {k: v for k, v in keys.items() if tie and k not in self.names}
+        # a quantized head (its own .qweight) is stored, not tied
+        return {k: v for k, v in keys.items() if tie and k not in self.names
+                and k.rpartition(".")[0] not in self.quantized}
 
     # ------------------------------------------------------------------ loading
     def materialize(self, path: str, dtype: torch.dtype | None = None) -> nn.Module:
@@ -181,15 +223,33 @@ class LazyModel:
             if source not in self.names:
                 raise LayercutError(f"{self.path}: the checkpoint has no tensor for {source}")
             _set_param(module, name, self.weights.get(self.names[source]).to(dtype))
+        for name, buf in self._stored_buffers(module, prefix):  # packed GPTQ tensors: stored dtypes
+            if buf.is_meta:
+                tensor = self.weights.get(self.names[prefix + name])
+                if tuple(tensor.shape) != tuple(buf.shape):
+                    raise LayercutError(f"{self.path}: {self.names[prefix + name]} is {list(tensor.shape)}, the "
+                                        f"quantization_config gives this layer {list(buf.shape)}")
+                _set_buffer(module, name, tensor)
         return module
 
     def release(self, path: str) -> None:
-        """Send ``path``'s parameters back to the meta device (frees their memory)."""
+        """Send ``path``'s parameters (and packed buffers) back to the meta device (frees their memory)."""
         module = get_submodule(self.model, path) if path else self.model
+        prefix = f"{path}." if path else ""
         for name, param in list(module.named_parameters(recurse=True)):
             if not param.is_meta:
                 _set_param(module, name, torch.empty_like(param, device="meta"))
+        for name, buf in self._stored_buffers(module, prefix):
+            if not buf.is_meta:
+                _set_buffer(module, name, torch.empty_like(buf, device="meta"))
         trim_heap()
+
+    def _stored_buffers(self, module: nn.Module, prefix: str) -> list[tuple[str, torch.Tensor]]:
+        """``module``'s buffers that belong to a quantized linear (read from the files, not computed)."""
+        if not self.quantized:
+            return []
+        return [(n, b) for n, b in module.named_buffers(recurse=True)
+                if (prefix + n).rpartition(".")[0] in self.quantized and prefix + n in self.names]
 
     def block(self, index: int) -> nn.Module:
         return self.materialize(self.block_path(index))
@@ -230,7 +290,7 @@ class LazyModel:
         for name, module in self.model.named_modules():
             if name.startswith(layers + ".") or name == layers:
                 continue
-            if any(True for _ in module.parameters(recurse=False)):
+            if any(True for _ in module.parameters(recurse=False)) or name in self.quantized:
                 paths.append(name)
         return paths
 
@@ -261,13 +321,22 @@ def _set_param(root: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(target, leaf, param)
 
 
+def _set_buffer(root: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    target = root.get_submodule(owner) if owner else root
+    setattr(target, leaf, value)  # a registered buffer's name: stays a (persistent) buffer
+
+
 def lazy_of(model: nn.Module) -> LazyModel | None:
     """The :class:`LazyModel` behind ``model``, if it was built lazily."""
     return getattr(model, "_layercut_lazy", None)
 
 
-def stream_blocker(path: Path) -> str | None:
-    """Why ``path`` cannot be streamed block by block, or None when it can."""
+def stream_blocker(path: Path, quantized: bool = False) -> str | None:
+    """Why ``path`` cannot be streamed block by block, or None when it can.
+
+    ``quantized``: the caller streams GPTQ checkpoints too (``LazyModel(..., allow_quantized=True)``).
+    """
     import json
 
     from layercut.compress.arch import spec_for_model_type
@@ -276,7 +345,7 @@ def stream_blocker(path: Path) -> str | None:
         cfg = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
         return "its config.json is unreadable"
-    if cfg.get("quantization_config"):
+    if cfg.get("quantization_config") and not quantized:
         return "it is a quantized checkpoint"
     if cfg.get("auto_map"):
         return "it ships its own modeling code"

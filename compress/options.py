@@ -214,4 +214,5 @@ class TextOptions(BaseModel):
 STREAM_DTYPE_HELP = ("dtype the weights are read and written in (auto: the checkpoint's own); streamed, "
                      "each block computes in float32 on CPU")
 WHOLE_MODEL_HELP = ("load the whole model in --dtype instead of streaming it one block at a time from the "
-                    "checkpoint (streaming needs a dense checkpoint of a family in layercut's table)")
+                    "checkpoint (streaming needs a family in layercut's table, and a dense checkpoint except in eval "
+                    "and score, which stream GPTQ checkpoints too)")

@@ -163,10 +163,15 @@ def run_recipe(recipe: Recipe, out: str | os.PathLike, resume: bool = False, pro
     source = resolve_model(recipe.model)  # a bad model spec fails before OUT is created
     from layercut.compress.devices import resolve_device
 
+    planned = None
+    if recipe.target is not None:  # plan the stages first (a bad target: one error, nothing written)
+        recipe, planned = _plan_stages(recipe, out, progress)
     for cfg in recipe.stages:  # --device cuda without CUDA, too
         if getattr(cfg, "device", None) is not None:
             resolve_device(cfg.device)
     prepare_run_dir(recipe, out, resume)
+    if planned is not None and planned != out / PLAN_DIR:
+        os.replace(planned, out / PLAN_DIR)
     handler = _file_log(out / "run.log")
     try:
         return _run(recipe, out, source, progress)
@@ -174,6 +179,31 @@ def run_recipe(recipe: Recipe, out: str | os.PathLike, resume: bool = False, pro
         for name in _LOGGERS:
             logging.getLogger(name).removeHandler(handler)
         handler.close()
+
+
+PLAN_DIR = "00-plan"  # a target recipe's plan (plan.json, plan.png, the plan's own winner)
+
+
+def _plan_stages(recipe: Recipe, out: Path, progress: bool) -> tuple[Recipe, Path]:
+    """A ``target:`` recipe -> the recipe of its plan's winner (stages filled in) and the plan folder.
+
+    A resumed run reuses ``OUT/00-plan``; otherwise the plan is written beside OUT and moved in
+    once the run directory exists.
+    """
+    from layercut.compress.plan.search import plan
+
+    folder = out / PLAN_DIR
+    if not (folder / "recipe.yaml").is_file():
+        target = recipe.target
+        if "seed" not in target.model_fields_set:
+            target = target.model_copy(update={"seed": recipe.seed})
+        folder = out.parent / f".{out.name}.plan"
+        if folder.exists():
+            shutil.rmtree(folder)
+        plan(target, recipe.model, folder, progress=progress)
+    planned = Recipe.from_yaml(folder / "recipe.yaml")
+    return planned.model_copy(update={"name": recipe.name or planned.name,
+                                      "trust_remote_code": recipe.trust_remote_code}), folder
 
 
 def _file_log(path: Path) -> logging.Handler:

@@ -13,7 +13,9 @@ Usage::
     >>> Recipe.from_dict(yaml.safe_load(recipe.to_yaml())) == recipe   # the resolved recipe round-trips
     True
 
-A recipe is YAML with a ``version``, a ``model`` and an ordered list of ``stages``; each
+A recipe is YAML with a ``version``, a ``model`` and an ordered list of ``stages`` (or, instead
+of stages, a ``target: {size: 40%, min_speedup: 1.25}`` that ``layercut run`` plans with
+:mod:`layercut.compress.plan` and then runs; both together are refused); each
 stage is a one-key mapping ``{name: {options}}`` whose options are the fields of the
 stage's config class (:mod:`layercut.compress.stages`), the same as its CLI flags
 (``--group-size`` becomes ``group_size``). Validation is strict (pydantic,
@@ -37,6 +39,7 @@ from layercut.compress.depth.config import PruneConfig
 from layercut.compress.errors import BOUNDS, LayercutError, unknown_key_message
 from layercut.compress.eval_config import EvalConfig
 from layercut.compress.options import StageConfig
+from layercut.compress.plan.config import PlanConfig
 from layercut.compress.select.config import ScoreConfig
 from layercut.compress.stages import config_types
 from layercut.compress.stages.quantize import QuantizeConfig
@@ -65,7 +68,9 @@ class Recipe(StageConfig):
     name: str | None = None
     seed: int = 0
     trust_remote_code: bool = False
-    stages: list[StageOptions] = Field(min_length=1)
+    # a size target instead of stages: `layercut run` plans them (layercut plan) and runs the plan's winner
+    target: PlanConfig | None = None
+    stages: list[StageOptions] = Field(default_factory=list)
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -122,6 +127,10 @@ class Recipe(StageConfig):
 
     @model_validator(mode="after")
     def _stage_order(self) -> Recipe:
+        if self.target is not None and self.stages:
+            raise ValueError("target: the planner chooses the stages; give target or stages, not both")
+        if self.target is None and not self.stages:
+            raise ValueError("stages: the recipe has no stages (give stages, or a target: {size: 40%})")
         names = [s.stage for s in self.stages]
         check_stage_order(names)
         for i, s in enumerate(self.stages):
@@ -132,7 +141,7 @@ class Recipe(StageConfig):
     # ---- round trip -------------------------------------------------------------------
     def to_dict(self) -> dict:
         """Plain data in the YAML layout, every default filled in (the resolved recipe)."""
-        data = self.model_dump(mode="json", exclude={"stages"})
+        data = self.model_dump(mode="json", exclude={"stages"} | (set() if self.target else {"target"}))
         data["stages"] = [{s.stage: s.model_dump(mode="json", exclude={"stage"})} for s in self.stages]
         return data
 

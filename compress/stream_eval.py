@@ -20,6 +20,14 @@ the KL is summed. Nothing is approximated.
 Peak memory: one block in the compute dtype, the embedding during input capture, both
 heads at the end (in the storage dtype; logits are computed in float32 over vocabulary
 slices), and three activation sets of tokens x hidden in float32.
+
+GPTQ checkpoints stream the same way (:class:`~layercut.compress.lazy.LazyModel` with
+``allow_quantized=True``): a block's turn reads its packed tensors into
+:class:`~layercut.compress.quant.qlinear.QuantLinear` layers, which run exactly as in the
+whole loaded model (:func:`layercut.compress.quant.loader.load_quantized`), and frees them after.
+The dense tensors of such a checkpoint (embedding, norms, a 16-bit head) are read in their
+stored dtype (fp16 by the GPTQ convention) and computed in float32, as the whole model is
+under ``--dtype auto``. A quantized head is dequantized a vocabulary slice at a time.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ from layercut.compress.errors import LayercutError
 from layercut.compress.evaluate import EvalResult, eval_tokens, make_windows, same_length, text_name
 from layercut.compress.lazy import LazyModel
 from layercut.compress.models import load_tokenizer, resolve_model, weight_bytes
+from layercut.compress.quant.loader import dequantize_rows
+from layercut.compress.quant.qlinear import QuantLinear
 
 VOCAB_SLICE = 16384  # rows of a low-precision head upcast to float32 at a time
 POSITION_SLICE = 128  # positions whose log-probs are alive at once
@@ -71,10 +81,18 @@ def head_logprobs(lazy: LazyModel, h_last: torch.Tensor) -> torch.Tensor:
     norm = lazy.materialize(f"{spec.base}.{spec.final_norm}")
     head = lazy.head()
     x = norm(h_last.unsqueeze(0)).squeeze(0).to(lazy.compute_dtype)
-    weight, bias = head.weight, getattr(head, "bias", None)
-    if weight.dtype == x.dtype:
-        logits = F.linear(x, weight, bias)
+    bias = getattr(head, "bias", None)
+    if isinstance(head, QuantLinear):  # a GPTQ head: dequantized a slice at a time
+        parts = []
+        for v0 in range(0, head.out_features, VOCAB_SLICE):
+            v1 = min(v0 + VOCAB_SLICE, head.out_features)
+            b = bias[v0:v1].to(x.dtype) if bias is not None else None
+            parts.append(F.linear(x, dequantize_rows(head, v0, v1).to(x.dtype), b))
+        logits = torch.cat(parts, dim=-1)
+    elif head.weight.dtype == x.dtype:
+        logits = F.linear(x, head.weight, bias)
     else:  # upcast the head a slice at a time: never a float32 copy of the whole vocabulary
+        weight = head.weight
         parts = []
         for v0 in range(0, weight.shape[0], VOCAB_SLICE):
             b = bias[v0 : v0 + VOCAB_SLICE].to(x.dtype) if bias is not None else None
@@ -167,8 +185,8 @@ def evaluate_streamed(
         ref_path = resolve_model(reference)
         if load_tokenizer(ref_path, trust_remote_code).get_vocab() != tokenizer.get_vocab():
             raise LayercutError("reference model has a different tokenizer vocabulary; KL is undefined")
-        ref_lazy = LazyModel(ref_path, dtype, trust_remote_code=trust_remote_code)
-    lazy = LazyModel(path, dtype, trust_remote_code=trust_remote_code)
+        ref_lazy = LazyModel(ref_path, dtype, trust_remote_code=trust_remote_code, allow_quantized=True)
+    lazy = LazyModel(path, dtype, trust_remote_code=trust_remote_code, allow_quantized=True)
     result, _ = evaluate_lazy(lazy, tokenizer, text, ctx, max_tokens, ref_lazy, batch_size, progress, device)
     result.bytes = weight_bytes(path)
     result.model = str(model_spec) if str(model_spec).startswith("bundled:") else str(path)

@@ -39,7 +39,8 @@ def folder_kind(folder: str | os.PathLike) -> str | None:
     quant = config.get("quantization_config") if isinstance(config, dict) else None
     if not quant:
         return "dense"
-    return "gptq-mixed" if quant.get("dynamic") else "gptq"
+    # a quantized head (lm_head: true) is not read by stock transformers: it loads a random one
+    return "gptq-mixed" if quant.get("dynamic") or quant.get("lm_head") else "gptq"
 
 
 def report_kind(quantize: dict | None, export: dict | None) -> str:

@@ -27,7 +27,7 @@ class ExportConfig(StageConfig):
     max_shard_size: str = Field("2GB", description="largest safetensors file, e.g. 500MB or 2GB")
     card: bool = Field(True, description="write a README.md model card")
     whole_model: bool = Field(False, description="load the whole model instead of copying a dense checkpoint "
-                                                 "tensor by tensor (--dequantize always loads it)")
+                                                 "(or dequantizing a GPTQ one) tensor by tensor")
 
     @field_validator("max_shard_size")
     @classmethod

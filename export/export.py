@@ -142,8 +142,10 @@ def write_export_into(
     """The non-atomic part of :func:`export_checkpoint`, for callers that own the temp dir.
 
     A dense checkpoint is copied tensor by tensor (``stream``; in ``save_dtype``, else the
-    load dtype), so memory holds one tensor, not the model; models with their own modeling
-    code, and ``dequantize``, load the whole model.
+    load dtype), so memory holds one tensor, not the model; so is a GPTQ checkpoint under
+    ``dequantize`` (one quantized linear dequantized at a time,
+    :func:`layercut.compress.quant.loader.write_dequantized`). Models with their own modeling
+    code, and ``stream=False``, load the whole model.
     """
     quantized = is_quantized(src)
     lazy = None
@@ -157,6 +159,14 @@ def write_export_into(
             lazy = LazyModel(src, storage_dtype=dtype)
     if quantized and not dequantize:
         _copy_checkpoint(src, folder)
+    elif quantized and stream and not trust_remote_code and _streamable_quantized(src):
+        from layercut.compress.lazy import LazyModel
+        from layercut.compress.quant.loader import write_dequantized
+
+        # one quantized linear dequantized at a time (issue 26), the tensors of the whole-model path
+        dtype = DTYPES[save_dtype] if save_dtype is not None else torch_dtype(load_dtype, src)
+        write_dequantized(LazyModel(src, allow_quantized=True), folder, dtype, max_shard_size)
+        _copy_side_files(src, folder, skip_existing=True, skip=("config.json", "quantize_config.json"))
     elif lazy is not None:
         from layercut.compress.depth.stream_drop import write_without_blocks
 
@@ -182,6 +192,12 @@ def write_export_into(
     files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     return ExportResult(str(folder), quantized, dequantize, files, size)
+
+
+def _streamable_quantized(src: Path) -> bool:
+    from layercut.compress.lazy import stream_blocker
+
+    return stream_blocker(src, quantized=True) is None
 
 
 def _copy_checkpoint(src: Path, folder: Path) -> None:

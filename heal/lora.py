@@ -125,7 +125,10 @@ def model_dims(model: nn.Module) -> tuple[int, int, int]:
     """(hidden size, output vocabulary, decoder blocks) read from the modules themselves."""
     hidden = model.get_input_embeddings().weight.shape[1]
     out = model.get_output_embeddings()
-    vocab = out.weight.shape[0] if out is not None else model.config.vocab_size
+    if out is None:
+        vocab = model.config.vocab_size
+    else:  # a GPTQ-quantized head has no .weight, only its logical out_features
+        vocab = out.out_features if hasattr(out, "qweight") else out.weight.shape[0]
     return int(hidden), int(vocab), len(arch_for(model).layers_of(model))
 
 

@@ -54,7 +54,7 @@ def test_unknown_key_names_key_and_allowed_keys():
         assert key in msg
     msg = bad({**BASE, "modle": "x"})
     assert "unknown key 'modle', did you mean 'model'? (allowed: version, model, name, seed, trust_remote_code, " \
-        "stages)" in msg
+        "target, stages)" in msg
     assert "unknown key 'stage'" in bad(with_stages({"eval": {"stage": "eval"}}))
     assert "unknown key 'group_szie', did you mean 'group_size'?" in bad(with_stages({"quantize": {"group_szie": 64}}))
     assert "unknown key 'xyzzy' (allowed:" in bad(with_stages({"export": {"xyzzy": 1}}))  # nothing close: no guess
@@ -132,7 +132,7 @@ def test_load_recipe_file_errors(tmp_path):
 
 
 # CLI options that belong to one invocation (files, output format), not to the stage's work.
-_CLI_ONLY = {"model", "output", "json", "trust_remote_code", "plot", "overwrite", "help"}
+_CLI_ONLY = {"model", "output", "json", "trust_remote_code", "plot", "overwrite", "dry_run", "help"}
 
 
 @pytest.mark.parametrize("name", list(STAGE_TYPES))
@@ -223,7 +223,8 @@ def test_quantize_stage_checks():
     from layercut.compress.quant.sensitivity import METHODS
     from layercut.compress.stages.quantize import QuantizeConfig as QuantizeStage
 
-    assert set(QuantizeStage.model_fields["sensitivity"].annotation.__args__) == set(METHODS)
+    # the proxies sensitivity.py measures, plus kl-swap (measured in quant/swap.py)
+    assert set(QuantizeStage.model_fields["sensitivity"].annotation.__args__) == set(METHODS) | {"kl-swap"}
 
     assert QuantizeStage(avg_bits=4.5, candidates="3,4,8").candidate_list() == [3, 4, 8]
     for kwargs, needle in [({}, "exactly one of bits"), ({"bits": 4, "avg_bits": 4.0}, "exactly one of bits"),

@@ -22,7 +22,12 @@ and ``model.safetensors.index.json`` (also for one shard), written atomically.
      "block_name_to_quantize": "model.layers",
      "dynamic": {"+:model\\.layers\\.3\\..*": {"bits": 8, "group_size": 64}, ...}}
 
-``bits`` / ``group_size`` are the base: the pair most weights have. ``dynamic`` holds
+``bits`` / ``group_size`` are the base: the pair most weights of the decoder blocks have. A
+quantized output head (``quantize_model(..., head=...)``) sets ``"lm_head": true`` and, if its
+pair differs from the base, gets its own entry ``"+:lm_head$": {"bits": 8, "group_size": 128}``
+and is listed in ``modules_in_block_to_quantize``. GPTQModel 7.6.0 and layercut load such a
+checkpoint (tested); stock transformers does not (it initialises a random dense head, tested), so
+the card's usage snippet is GPTQModel's. ``dynamic`` holds
 GPTQModel's per-module overrides of both (omitted when every linear has the base pair, so
 a uniform checkpoint loads in stock transformers): keys are regexes that GPTQModel (PCRE) matches, and vLLM (``re``; documented, untested here) would match, from the start
 of a module's full name, ``+:`` marking a positive override. They are written in the
@@ -156,7 +161,7 @@ def quantization_config(model: nn.Module, result: QuantizeResult) -> dict:
     if not bits:
         raise LayercutError("quantize: nothing was quantized")
     counts: Counter[tuple[int, int]] = Counter()
-    for q in result.layers.values():
+    for q in result.body().values():  # the base is the blocks' pair; a quantized head may differ
         counts[(q.bits, q.group_size)] += q.in_features * q.out_features
     # the (bits, group size) most weights have; ties: fewer bits, then the larger group size
     base = max(counts, key=lambda c: (counts[c], -c[0], c[1] == -1, c[1]))
@@ -172,16 +177,31 @@ def quantization_config(model: nn.Module, result: QuantizeResult) -> dict:
         "true_sequential": cfg.sequential != "block",
         "damp_percent": cfg.damp,
         "static_groups": cfg.static_groups,
-        "lm_head": False,
+        "lm_head": result.head is not None,
         "pack_dtype": "int32",
         "block_name_to_quantize": spec.layers_path(),
-        "modules_in_block_to_quantize": [list(g) for g in spec.groups],
+        # + the head's name when it is quantized: vLLM treats a module as quantized only if some
+        # entry is a substring of its name (documented in vLLM's gptq_utils; untested here)
+        "modules_in_block_to_quantize": [list(g) for g in spec.groups] + ([[result.head]] if result.head else []),
         "meta": {"quantizer": _quantizer_tags(), "method": cfg.method, "sequential": cfg.sequential},
     }
     dynamic = dynamic_overrides(model, result.configs(), base)
+    dynamic.update(head_override(result, base))
     if dynamic:
         qc["dynamic"] = dynamic
     return qc
+
+
+def head_override(result: QuantizeResult, base: tuple[int, int]) -> dict:
+    """The ``dynamic`` entry of a quantized head whose (bits, group size) differs from the base:
+    ``{"+:lm_head$": {"bits": 8, "group_size": 128}}`` (GPTQModel reads a quantized head only with
+    ``lm_head: true`` and takes its bits from ``dynamic`` like any module's); {} otherwise."""
+    if result.head is None:
+        return {}
+    q = result.layers[result.head]
+    if (q.bits, q.group_size) == tuple(base):
+        return {}
+    return {f"+:{re.escape(result.head)}$": {"bits": q.bits, "group_size": q.group_size}}
 
 
 def quantized_state_dict(model: nn.Module, result: QuantizeResult, dtype: torch.dtype) -> dict[str, Tensor]:

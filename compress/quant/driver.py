@@ -42,7 +42,13 @@ from layercut.calibrate.data import CalibSet
 from layercut.compress.arch import ArchSpec, arch_for, target_linears
 from layercut.compress.errors import LayercutError
 from layercut.compress.lazy import trim_heap
-from layercut.compress.quant.gptq import QuantResult, gptq_quantize, hessian_update, rtn_quantize
+from layercut.compress.quant.gptq import (
+    SCALE_SEARCH,
+    QuantResult,
+    gptq_quantize,
+    hessian_update,
+    rtn_quantize,
+)
 from layercut.compress.quant.pack import pack_gptq
 from layercut.compress.quant.result import SUPPORTED_BITS, QuantizedLinear, QuantizeResult
 
@@ -69,6 +75,11 @@ class QuantConfig:
     # dtype of the damped Hessian's Cholesky factors and inverse (H is accumulated in float64
     # either way); float32 halves the solve's largest buffers (benchmarks/solve_precision.py)
     solve_dtype: str = "float32"  # "float32" | "float64"
+    # per-group clipping search (gptq_quantize): "none" | "mse" | "hessian" | "obs", over the shrink
+    # factors 1 .. scale_min of the min/max range in scale_steps steps
+    scale_search: str = "none"
+    scale_min: float = 0.75
+    scale_steps: int = 5
 
     def check(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -83,6 +94,14 @@ class QuantConfig:
             raise LayercutError(f"quantize: damp must lie in [0, 1), got {self.damp}")
         if self.solve_dtype not in SOLVE_DTYPES:
             raise LayercutError(f"quantize: solve dtype must be one of {tuple(SOLVE_DTYPES)}, got {self.solve_dtype!r}")
+        if self.scale_search not in SCALE_SEARCH:
+            raise LayercutError(f"quantize: scale search must be one of {SCALE_SEARCH}, got {self.scale_search!r}")
+        if not (0 < self.scale_min <= 1) or self.scale_steps < 0:
+            raise LayercutError(f"quantize: scale_min must lie in (0, 1] and scale_steps be >= 0, got "
+                                f"{self.scale_min}, {self.scale_steps}")
+        if self.scale_search != "none" and self.method != "gptq":
+            raise LayercutError(f"quantize: scale search {self.scale_search!r} works with method gptq, "
+                                f"not {self.method!r}")
 
     def torch_solve_dtype(self) -> torch.dtype:
         return SOLVE_DTYPES[self.solve_dtype]
@@ -267,6 +286,7 @@ def _solve(W: Tensor, H: Tensor | None, bits: int, cfg: QuantConfig, overwrite_h
         W, H, bits, cfg.group_size, sym=cfg.sym, act_order=cfg.act_order,
         static_groups=cfg.static_groups, damp=cfg.damp, block_size=cfg.block_size, group_aware=cfg.group_aware,
         overwrite_h=overwrite_h, solve_dtype=cfg.torch_solve_dtype(),
+        scale_search=cfg.scale_search, scale_min=cfg.scale_min, scale_steps=cfg.scale_steps,
     )
 
 
@@ -349,6 +369,7 @@ def quantize_model(
     progress: bool = True,
     after_block: Callable[[BlockRun, QuantizeResult], None] | None = None,
     probe: Callable[[list[str], list[Tensor], Tensor], None] | None = None,
+    head: tuple[int, int] | None = None,
 ) -> QuantizeResult:
     """Quantize every target linear of ``model`` in place (weights ← dequantized GPTQ weights).
 
@@ -361,9 +382,15 @@ def quantize_model(
     each block is quantized (GPTQ and RTN): a streamed run writes the block there and frees
     its packed tensors from ``result``. ``probe(names, Ws, H)`` (GPTQ only) sees each fused
     group's float weights and Hessian just before their solve and must leave both unchanged
-    (:mod:`layercut.compress.quant.refine` re-solves other candidates there).
+    (:mod:`layercut.compress.quant.refine` re-solves other candidates there). ``head`` = (bits,
+    group size) also quantizes the untied output head after the last block
+    (:mod:`layercut.compress.quant.head`).
     """
+    from layercut.compress.quant.head import check_head, head_hessian, quantize_head
+
     targets = check_model(model, cfg, bits)
+    if head is not None:
+        check_head(model, *head)
     plan = linear_plan(cfg, bits, [name for _, _, name, _ in targets])
     spec = arch_for(model)
     result = QuantizeResult(config=cfg)
@@ -371,6 +398,8 @@ def quantize_model(
 
     if cfg.method == "rtn":
         _rtn_blocks(model, targets, plan, cfg, spec, result, device, progress, after_block)
+        if head is not None:
+            quantize_head(model, None, *head, cfg, result, device=device)
         result.seconds = time.perf_counter() - start
         return result
 
@@ -407,7 +436,12 @@ def quantize_model(
         run.invalidate()  # the next block sees this block's quantized outputs
 
     callbacks = [on_block] + ([lambda run: after_block(run, result)] if after_block is not None else [])
-    run_blocks(model, calib, callbacks, batch_size=batch_size, device=device, progress=progress, desc="gptq")
+    h_last = run_blocks(model, calib, callbacks, batch_size=batch_size, device=device, progress=progress,
+                        desc="gptq")
+    if head is not None:  # the head's input is norm(h_L) of the quantized blocks
+        H, _ = head_hessian(model, h_last, [m.bool() for _, m in calib.split(batch_size)])
+        del h_last
+        quantize_head(model, H, *head, cfg, result, device=device)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -465,3 +499,4 @@ def to_quant_linears(model: nn.Module, result: QuantizeResult) -> nn.Module:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
     return model
+

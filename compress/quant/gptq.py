@@ -86,7 +86,12 @@ def _minmax_params(x: Tensor, bits: int, sym: bool) -> tuple[Tensor, Tensor]:
     range [-scale, max] instead), because zero 0 has no unambiguous GPTQ v1 encoding
     (``zero - 1`` stored) — GPTQModel and vLLM would decode it differently.
     """
-    maxq = 2**bits - 1
+    return _range_params(*_row_range(x, sym), bits, sym)
+
+
+def _row_range(x: Tensor, sym: bool) -> tuple[Tensor, Tensor]:
+    """(xmin, xmax) per row of ``x`` [out, k]: the range, widened to contain 0, symmetric with
+    ``sym``, and [-1, 1] for an all-zero row."""
     xmin = x.min(dim=1).values.clamp(max=0)
     xmax = x.max(dim=1).values.clamp(min=0)
     if sym:
@@ -95,6 +100,13 @@ def _minmax_params(x: Tensor, bits: int, sym: bool) -> tuple[Tensor, Tensor]:
     flat = (xmin == 0) & (xmax == 0)
     xmin = torch.where(flat, torch.full_like(xmin, -1.0), xmin)
     xmax = torch.where(flat, torch.ones_like(xmax), xmax)
+    return xmin, xmax
+
+
+def _range_params(xmin: Tensor, xmax: Tensor, bits: int, sym: bool) -> tuple[Tensor, Tensor]:
+    """Scale and integer zero point of the ranges [xmin, xmax] (xmin ≤ 0 ≤ xmax, any equal
+    shapes; see ``_minmax_params``)."""
+    maxq = 2**bits - 1
     # float16 is the storage dtype of scales: round now so dequant matches the checkpoint
     scale = ((xmax - xmin) / maxq).clamp(min=_FP16_MIN_SUBNORMAL).half().float()
     if sym:
@@ -106,6 +118,48 @@ def _minmax_params(x: Tensor, bits: int, sym: bool) -> tuple[Tensor, Tensor]:
         scale = torch.where(low, wider, scale)
         zero = torch.where(low, torch.ones_like(zero), zero)
     return scale, zero
+
+
+SCALE_SEARCH = ("none", "mse", "hessian", "obs")
+
+
+def shrink_grid(scale_min: float, scale_steps: int) -> list[float]:
+    """The shrink factors p tried by a scale search: 1 down to ``scale_min`` in ``scale_steps``
+    equal steps (``scale_min`` 1 or ``scale_steps`` 0: only p = 1, i.e. plain min-max)."""
+    if not (0 < scale_min <= 1) or scale_steps < 0:
+        raise LayercutError(f"scale search: scale_min must lie in (0, 1] and scale_steps be >= 0, got "
+                            f"{scale_min}, {scale_steps}")
+    if scale_min == 1 or scale_steps == 0:
+        return [1.0]
+    return [1.0 - i * (1.0 - scale_min) / scale_steps for i in range(scale_steps + 1)]
+
+
+def _searched_params(
+    x: Tensor, bits: int, sym: bool, grid: list[float], weight: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Scale and zero per row of ``x`` [out, k] with the range shrunk by the p of ``grid`` that
+    minimises the row's round-to-nearest error Σ_j weight_j (x_j - q(x_j))² (``weight`` [k]:
+    the Hessian diagonal of the group's columns, i.e. the inputs' mean energy; None: plain
+    squared error, as GPTQModel's ``mse=2``). All p of the grid in one [p, out, k] pass; ties
+    keep the earlier (larger) p, so a grid of [1.0] is ``_minmax_params`` exactly."""
+    xmin, xmax = _row_range(x, sym)  # [out]
+    p = torch.tensor(grid, dtype=x.dtype, device=x.device)[:, None]  # [P, 1]
+    scale, zero = _range_params(p * xmin, p * xmax, bits, sym)  # [P, out]
+    if len(grid) == 1:
+        return scale[0], zero[0]
+    maxq = 2**bits - 1
+    out_f, k = x.shape
+    total = torch.empty_like(scale)  # [P, out]
+    step = max(1, SLICE_ELEMENTS // (len(grid) * k))  # rows per [P, rows, k] temporary
+    for r in range(0, out_f, step):
+        rows = slice(r, r + step)
+        s3, z3 = scale[:, rows, None], zero[:, rows, None]  # [P, rows, 1]
+        err = (s3 * (_quant(x[rows], s3, z3, maxq) - z3) - x[rows]).square_()  # [P, rows, k]
+        if weight is not None:
+            err.mul_(weight.to(err.dtype))
+        total[:, rows] = err.sum(dim=2)
+    best = total.argmin(dim=0, keepdim=True)  # [1, out]: the first minimum, i.e. the largest p
+    return scale.gather(0, best)[0], zero.gather(0, best)[0]
 
 
 def _quant(x: Tensor, scale: Tensor, zero: Tensor, maxq: int) -> Tensor:
@@ -208,6 +262,9 @@ def gptq_quantize(
     group_aware: bool = False,
     overwrite_h: bool = False,
     solve_dtype: torch.dtype = torch.float64,
+    scale_search: str = "none",
+    scale_min: float = 0.75,
+    scale_steps: int = 5,
 ) -> QuantResult:
     """Quantize ``W`` [out, in] with GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training
     Quantization for Generative Pre-trained Transformers", Algorithm 1).
@@ -239,6 +296,16 @@ def gptq_quantize(
 
     ``overwrite_h``: an ``H`` already in ``solve_dtype`` on W's device is used as scratch
     space instead of being copied (its values are garbage afterwards): one [in, in] copy fewer.
+
+    ``scale_search`` ("none", "mse", "hessian", "obs"): when a group's scale and zero are fixed
+    (up front under ``static_groups``, else when the group starts), each row's min/max range is
+    shrunk by the factor p of ``shrink_grid(scale_min, scale_steps)`` (1, 0.95, ..., 0.75 by
+    default) whose rounding error over the group's columns is least: plain Σ (w - q)² with
+    "mse" (GPTQModel's ``mse=2``), Σ_j c_j (w_j - q_j)² with c_j = H_jj (the undamped Hessian
+    diagonal, the mean energy of input j) for "hessian", or c_j = 1 / [U]_jj² for "obs": what
+    ``loss`` charges an error in column j once the later columns have absorbed what they can
+    (the OBS cost; for a diagonal H it is H_jj + λ). "none" and a grid of only p = 1 are plain
+    min-max, bit for bit. The search is one [p, out, gs] pass per group (in row slices).
     """
     gs = _check_args(W, bits, group_size)
     out_f, in_f = W.shape
@@ -252,6 +319,9 @@ def gptq_quantize(
         raise LayercutError(f"gptq: damp must be a finite non-negative number, got {damp}")
     if solve_dtype not in (torch.float64, torch.float32):
         raise LayercutError(f"gptq: solve_dtype must be float64 or float32, got {solve_dtype}")
+    if scale_search not in SCALE_SEARCH:
+        raise LayercutError(f"gptq: scale_search must be one of {SCALE_SEARCH}, got {scale_search!r}")
+    grid = shrink_grid(scale_min, scale_steps) if scale_search != "none" else None
 
     maxq = 2**bits - 1
     n_groups = in_f // gs
@@ -263,11 +333,10 @@ def gptq_quantize(
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
 
-    scales = torch.zeros(n_groups, out_f, dtype=torch.float32, device=W.device)  # [groups, out]
-    zeros = torch.zeros(n_groups, out_f, dtype=torch.float32, device=W.device)
-    if static_groups:
-        for g in range(n_groups):
-            scales[g], zeros[g] = _minmax_params(W[:, g * gs : (g + 1) * gs], bits, sym)
+    def group_params(x: Tensor, cols: slice, diag: Tensor | None) -> tuple[Tensor, Tensor]:
+        if grid is None:
+            return _minmax_params(x, bits, sym)
+        return _searched_params(x, bits, sym, grid, None if diag is None else diag[cols])
 
     perm = group_order = None
     if act_order:
@@ -277,6 +346,7 @@ def gptq_quantize(
         local = torch.argsort(diag, dim=1, descending=True, stable=True)  # [groups, gs]
         group_order = torch.argsort(diag.max(dim=1).values, descending=True, stable=True)  # [groups]
         perm = (group_order[:, None] * gs + local[group_order]).reshape(-1)
+    W0 = W  # original column order (the static groups' parameters come from it)
     if perm is not None:
         W = W[:, perm]
         H.copy_(H[perm])  # rows, then columns, in place: one [in, in] temporary at a time
@@ -286,10 +356,26 @@ def gptq_quantize(
     col_group = (orig_col // gs) if static_groups else torch.arange(in_f, device=W.device) // gs
     col_group_list = col_group.tolist()
 
+    # [in], processing order; a copy (for a float32 H, .float() would be a view the factorisation overwrites)
+    hdiag = H.diagonal().to(torch.float32, copy=True) if scale_search == "hessian" else None
     U, damp_used = _inverse_cholesky(H, damp)  # U is H's storage
     del H
     Hinv = U if U.dtype == torch.float32 else U.float()  # [in, in] upper triangular; no copy in float32
     del U
+    if scale_search == "obs":  # GPTQ's own cost of an error in column j: 1 / [U]_jj²
+        hdiag = Hinv.diagonal().double().reciprocal().square().float()
+
+    scales = torch.zeros(n_groups, out_f, dtype=torch.float32, device=W.device)  # [groups, out]
+    zeros = torch.zeros(n_groups, out_f, dtype=torch.float32, device=W.device)
+    if static_groups:
+        worig = hdiag
+        if hdiag is not None and perm is not None:
+            worig = torch.empty_like(hdiag)
+            worig[perm] = hdiag
+        for g in range(n_groups):
+            cols = slice(g * gs, (g + 1) * gs)
+            scales[g], zeros[g] = group_params(W0[:, cols], cols, worig)
+    del W0
 
     Q = torch.zeros_like(W)  # integer codes as float, processing order
     loss = torch.zeros((), dtype=torch.float64, device=W.device)
@@ -304,7 +390,7 @@ def gptq_quantize(
             if not static_groups and col % gs == 0:
                 # as in the reference: W holds earlier blocks' updates, not this block's
                 # own (W1) — measured a little better than the fully updated weights
-                scales[g], zeros[g] = _minmax_params(W[:, col : col + gs], bits, sym)
+                scales[g], zeros[g] = group_params(W[:, col : col + gs], slice(col, col + gs), hdiag)
             w = W1[:, i]  # [out]
             d = Hinv1[i, i]
             q = _quant(w, scales[g], zeros[g], maxq)

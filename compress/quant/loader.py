@@ -22,16 +22,20 @@ import copy
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from layercut.compress.errors import LayercutError
 from layercut.compress.quant.checkpoint import resolve_dynamic
-from layercut.compress.quant.pack import packed_rows
+from layercut.compress.quant.pack import dequantize_gptq, packed_rows
 from layercut.compress.quant.qlinear import QuantLinear
 from layercut.compress.quant.result import SUPPORTED_BITS
 from layercut.export.shards import read_index
+
+if TYPE_CHECKING:
+    from layercut.compress.lazy import LazyModel
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -188,3 +192,78 @@ def load_quantized(
         raise LayercutError(f"{path}: {len(missing)} tensors missing from the checkpoint (e.g. {missing[0]})")
     model.config.quantization_config = qc
     return model.to(device).eval()
+
+
+# ---------------------------------------------------------------- streaming (one block at a time)
+# The block-by-block path (layercut.compress.lazy.LazyModel with allow_quantized=True) builds the
+# skeleton itself and calls quantize_skeleton: the same per-module rule as load_quantized, applied to
+# whatever module has a ``.qweight`` in the files (decoder linears, a quantized head alike).
+
+
+def quantize_skeleton(
+    model: nn.Module, config, shapes: dict[str, tuple[int, ...]]
+) -> tuple[dict, set[str]]:
+    """Swap the quantized linears of a meta skeleton (built from the dense config) for empty
+    :class:`QuantLinear` layers; ``shapes`` are the stored tensors' shapes (from the headers).
+
+    Returns (the validated ``quantization_config``, the swapped module names). Raises
+    :class:`LayercutError` where the config (bits / group size / ``dynamic``) does not match
+    the stored shapes, exactly as :func:`load_quantized` does.
+    """
+    qc = _read_quant_config(config)
+    return qc, _swap_quant_linears(model, qc, shapes)
+
+
+def dequantize_rows(layer: QuantLinear, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` (output features) of W [out, in] in float32, unpacked from that slice alone.
+
+    For a head of 128k outputs, where the whole weight in float32 would be 1 GiB. ``start`` must
+    be a multiple of 32 (the packed zero points of 32 outputs fill whole words at every width).
+    """
+    if start % 32 or not 0 <= start < stop <= layer.out_features:
+        raise LayercutError(f"dequantize_rows: need 0 <= start < stop <= {layer.out_features}, start a "
+                            f"multiple of 32 (got {start}, {stop})")
+    b = layer.bits
+    zeros = layer.qzeros[:, start * b // 32 : start * b // 32 + packed_rows(stop - start, b)]
+    return dequantize_gptq(layer.qweight[:, start:stop], zeros, layer.scales[:, start:stop], layer.g_idx, b)
+
+
+def write_dequantized(lazy: LazyModel, folder: Path, dtype: torch.dtype, max_shard_size: str | int = "2GB") -> int:
+    """Write ``lazy`` (a :class:`~layercut.compress.lazy.LazyModel` of a GPTQ checkpoint) into
+    ``folder`` as a dense checkpoint in ``dtype``, one tensor at a time; returns the layers dequantized.
+
+    Each quantized linear is read (its packed tensors only), dequantized to ``NAME.weight``
+    (``[in, out]`` for GPT-2's Conv1D), cast and written, then released; every other stored
+    tensor is cast and copied. The tensors are those of
+    :func:`layercut.export.export.dequantize_model` + ``save_pretrained`` (tested); ``config.json``
+    loses its ``quantization_config``. Side files are the caller's.
+    """
+    from layercut.compress.arch import get_submodule
+    from layercut.export.shards import ShardWriter
+
+    count = 0
+    with ShardWriter(folder, max_shard_size) as writer:
+        for name in lazy.model.state_dict(keep_vars=True):
+            owner, _, leaf = name.rpartition(".")
+            if name in lazy.tied or name not in lazy.names:
+                continue  # tied aliases and computed buffers are not stored
+            if owner not in lazy.quantized:
+                writer.add(name, _cast(lazy.weights.get(lazy.names[name]), dtype))
+            elif leaf == "qweight":
+                layer = lazy.materialize(owner)
+                weight = layer.dequantize()  # [out, in] float32
+                writer.add(f"{owner}.weight", (weight.T if lazy.spec.conv1d else weight).to(dtype).contiguous())
+                if get_submodule(lazy.model, owner).bias is not None:
+                    writer.add(f"{owner}.bias", layer.bias.to(dtype))
+                del weight, layer
+                lazy.release(owner)
+                count += 1
+    config = copy.deepcopy(lazy.config)
+    del config.quantization_config
+    config.dtype = dtype
+    config.save_pretrained(folder)
+    return count
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t

@@ -113,26 +113,31 @@ def resolve_candidates(
 # ------------------------------------------------------------------ fallback check
 
 
-def held_apart(tokenizer, sources, samples: int, seq_len: int, seed: int, calib_samples: int) -> tuple[CalibSet, str]:
+def held_apart(tokenizer, sources, samples: int, seq_len: int, seed: int, calib_samples: int,
+               part: int = 0) -> tuple[CalibSet, str]:
     """``samples`` sequences that share no token with ``calibration_batch(sources, calib_samples,
     seq_len, seed)``; (the set, how it was drawn).
 
     Calibration windows all lie in the first max((N + 1)·L·4 + L, 2¹⁶) tokens of each
     source's stream (:func:`layercut.calibrate.data.calibration_batch`), so these are drawn after that
-    offset. A text too short for it gets windows re-drawn with ``seed + 1`` instead (they may
-    overlap calibration windows; the report says so).
+    offset. ``part`` k > 0 skips k further such spans of ``samples`` windows, so part 0 (the
+    fallback check) and part 1 (kl-swap's measurement) share no token either. A text too short
+    for it gets windows re-drawn with ``seed + 1 + part`` instead (they may overlap calibration
+    windows; the report says so).
     """
     from layercut.calibrate.data import calibration_batch
 
     offset = max((calib_samples + 1) * seq_len * 4 + seq_len, 1 << 16)
+    offset += part * max((samples + 1) * seq_len * 4 + seq_len, 1 << 16)
     try:
         got = calibration_batch(tokenizer, sources, samples=samples, seq_len=seq_len, seed=seed, offset=offset)
         if bool(got.attention_mask.all()):
             return got, f"{samples} windows after token {offset} of the calibration text (disjoint)"
     except LayercutError:
         pass
-    got = calibration_batch(tokenizer, sources, samples=samples, seq_len=seq_len, seed=seed + 1)
-    return got, f"{samples} windows drawn with seed {seed + 1} (text too short to hold them apart; may overlap)"
+    got = calibration_batch(tokenizer, sources, samples=samples, seq_len=seq_len, seed=seed + 1 + part)
+    return got, (f"{samples} windows drawn with seed {seed + 1 + part} (text too short to hold them apart; "
+                 "may overlap)")
 
 
 @dataclass
@@ -207,16 +212,19 @@ def fallback_check(
     batch_size: int = 8,
     device: str | torch.device | None = None,
     progress: bool = True,
+    uniform: QuantizeResult | None = None,
 ) -> tuple[FallbackVerdict, QuantizeResult]:
-    """Quantize the uniform baseline from the float weights ``fp`` and keep whichever of
-    ``mixed`` / uniform has the lower KL on ``check``; returns (verdict, kept result).
+    """Quantize the uniform baseline from the float weights ``fp`` (or take ``uniform``, already
+    quantized) and keep whichever of ``mixed`` / uniform has the lower KL on ``check``; returns
+    (verdict, kept result).
 
     ``model`` holds ``mixed``'s weights on entry and the kept result's on return. Ties
     keep the uniform baseline (the simpler checkpoint).
     """
     load_weights(model, fp)
-    uniform = quantize_model(model, calib, cfg, dict(uniform_plan), batch_size=batch_size, device=device,
-                             progress=progress)
+    if uniform is None:
+        uniform = quantize_model(model, calib, cfg, dict(uniform_plan), batch_size=batch_size, device=device,
+                                 progress=progress)
     kls, tokens = compare_kl(model, check, fp, {"mixed": mixed, "uniform": uniform}, batch_size)
     keep = "mixed" if kls["mixed"] < kls["uniform"] else "uniform"
     kept = mixed if keep == "mixed" else uniform

@@ -84,12 +84,14 @@ class StreamedOutputs:
                        uniform_plan: Mapping[str, tuple[int, int]], batch_size: int = 8,
                        device: str | torch.device | None = None,
                        progress: bool = True) -> tuple[FallbackVerdict, QuantizeResult]:
-        """Quantize the uniform baseline (streamed), then keep whichever of mixed / uniform has the
+        """Quantize the uniform baseline (streamed; unless ``.uniform`` is already finished, as
+        kl-swap's baseline pass leaves it), then keep whichever of mixed / uniform has the
         lower KL to the source on ``check`` (ties keep uniform, as the whole-model check does)."""
         self.finish("mixed", mixed)
-        uniform = quantize_model(self.lazy.model, calib, cfg, dict(uniform_plan), batch_size=batch_size,
-                                 device=device, progress=progress, after_block=self.block_writer("uniform"))
-        self.finish("uniform", uniform)
+        if "uniform" not in self.results:
+            uniform = quantize_model(self.lazy.model, calib, cfg, dict(uniform_plan), batch_size=batch_size,
+                                     device=device, progress=progress, after_block=self.block_writer("uniform"))
+            self.finish("uniform", uniform)
         kls, tokens = streamed_kl(self.lazy, check, {k: (self.folder / f".{k}", r) for k, r in self.results.items()},
                                   batch_size=batch_size, device=device, progress=progress)
         keep = "mixed" if kls["mixed"] < kls["uniform"] else "uniform"

@@ -42,6 +42,11 @@ class QuantizeResult:
     seconds: float = 0.0
     solve_seconds: float = 0.0  # time inside gptq_quantize / rtn_quantize
     tokens: int = 0  # calibration tokens (non-pad) per Hessian
+    head: str | None = None  # module name of the output head when it is quantized too (in ``layers``)
+
+    def body(self) -> dict[str, QuantizedLinear]:
+        """The decoder blocks' quantized linears (``layers`` without the head)."""
+        return {n: q for n, q in self.layers.items() if n != self.head}
 
     def bits(self) -> dict[str, int]:
         return {n: q.bits for n, q in self.layers.items()}
@@ -51,9 +56,11 @@ class QuantizeResult:
         return {n: (q.bits, q.group_size) for n, q in self.layers.items()}
 
     def avg_bits(self) -> float:
-        """Stored bits per quantized weight, scales (fp16) and packed zeros included."""
-        total = sum(q.in_features * q.out_features for q in self.layers.values())
-        return sum(q.stored_bits for q in self.layers.values()) / total
+        """Stored bits per quantized weight of the decoder blocks (the head, if quantized, is
+        reported on its own), scales (fp16) and packed zeros included."""
+        body = self.body().values()
+        total = sum(q.in_features * q.out_features for q in body)
+        return sum(q.stored_bits for q in body) / total
 
 
 # ----------------------------------------------------------------------- targets

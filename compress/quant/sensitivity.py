@@ -22,6 +22,11 @@ re-solved on the same Hessian for every c, Hessians from the float inputs), by o
   forward per (unit, candidate). ``"output_rel"`` divides by Σ_t ‖h_{l+1}‖².
 * ``"loss"`` — Σ over u's linears of ½ tr(ΔW H ΔWᵀ) (GPTQ's objective, undamped); free.
 
+``"kl-swap"`` (the stage's ``--sensitivity kl-swap``) is not measured here but in
+:mod:`layercut.compress.quant.swap`: full quantizations at the uniform baseline and at each
+candidate, then the true KL change of swapping one unit at a time, at the baseline's operating
+point and with one block in memory.
+
 How well the cheap measures rank like the exact KL table on SmolLM2 is measured in
 benchmarks/sensitivity_estimators.py against benchmarks/sensitivity_exact.py's table and
 reported in docs/results-mixed.md: across units at one fixed trade, Spearman 0.1–0.5 (the

@@ -111,12 +111,21 @@ def write_rest(lazy: LazyModel, result: QuantizeResult, writer, folder: Path, sa
     missing = [n for _, _, n, _ in target_linears(lazy.model) if n not in result.layers]
     if missing:
         raise LayercutError(f"quantize: {len(missing)} linears were not quantized (e.g. {missing[0]})")
+    head = result.head  # a quantized head: its packed tensors (and an fp16 bias) replace its weight
     for name in lazy.model.state_dict(keep_vars=True):  # embeddings, final norm, head (not tied aliases)
         if name.startswith(prefix + ".") or name in lazy.tied or name not in lazy.names:
+            continue
+        if head is not None and name.rpartition(".")[0] == head:
+            if name.endswith(".bias"):
+                writer.add(name, lazy.weights.get(lazy.names[name]).to(torch.float16))
             continue
         tensor = lazy.weights.get(lazy.names[name])  # a fresh buffer, ours to overwrite
         writer.add(name, cast_in_place(tensor, save_dtype) if tensor.is_floating_point() else tensor)
         del tensor
+    if head is not None:
+        for leaf, t in result.layers[head].tensors.items():
+            writer.add(f"{head}.{leaf}", t)
+        result.layers[head].tensors = {}  # written: keep only the figures
     writer.close()
     qc = quantization_config(lazy.model, result)
     config = copy.deepcopy(lazy.config)

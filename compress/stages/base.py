@@ -86,18 +86,26 @@ def quality_report(report: dict) -> dict:
     return strip_volatile(report)
 
 
-def load_streamed(path: Path, dtype: str, env: RunEnv, whole_model: bool, what: str):
-    """A :class:`layercut.compress.lazy.LazyModel` for ``path``, or None where the stage must load the whole model."""
+def load_streamed(path: Path, dtype: str, env: RunEnv, whole_model: bool, what: str, quantized: bool = False):
+    """A :class:`layercut.compress.lazy.LazyModel` for ``path``, or None where the stage must load the whole model.
+
+    ``quantized``: the stage streams GPTQ checkpoints too (eval, score: blocks only run forward).
+    Under ``auto`` such a checkpoint's dense tensors are read in their stored dtype (fp16):
+    blocks compute in float32 either way, so only the embedding and head bytes change.
+    """
     import logging
 
     if whole_model:
         return None
     from layercut.compress.lazy import stream_blocker
 
-    reason = stream_blocker(path)
+    reason = stream_blocker(path, quantized=quantized)
     if reason is not None:
         logging.getLogger(f"layercut.{what}").info("%s: loading the whole model (%s)", what, reason)
         return None
     from layercut.compress.lazy import LazyModel
+    from layercut.export.export import is_quantized
 
-    return LazyModel(path, storage_dtype=torch_dtype(dtype, path), trust_remote_code=env.trust_remote_code)
+    stored = quantized and dtype == "auto" and is_quantized(path)
+    return LazyModel(path, storage_dtype=None if stored else torch_dtype(dtype, path),
+                     trust_remote_code=env.trust_remote_code, allow_quantized=quantized)

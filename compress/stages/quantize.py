@@ -5,6 +5,7 @@ Run it::
     layercut quantize bundled:smollm2-135m -o q4 --bits 4 --group-size 64
     layercut quantize MODEL -o mix --avg-bits 3.5                       # default candidate pairs
     layercut quantize MODEL -o mix --avg-bits 3.5 --candidates 3g64,3g128,4g64,4ch,8ch
+    layercut quantize UNTIED -o q4h8 --bits 4 --quantize-head 8g128       # + the untied head (quant/head.py)
 
     from layercut.compress.stages.quantize import QuantizeConfig, quantize_model, run
     run(QuantizeConfig(bits=4), "bundled:smollm2-135m", "q4")
@@ -28,7 +29,9 @@ stderr says when the baseline wins. ``allocation.json`` (and ``allocation.png`` 
 mixed result is written) go into the checkpoint. Every option is validated before any
 work; the output appears atomically. A checkpoint input streams (one decoder block in memory)
 for uniform bits, RTN and ``avg_bits`` alike (:mod:`layercut.compress.quant.mixed_stream`), except with
-``sensitivity="kl"``, whose per-unit KL needs the whole model.
+``sensitivity="kl"``, whose per-unit KL needs the whole model. ``sensitivity="kl-swap"``
+(:mod:`layercut.compress.quant.swap`) replaces the sensitivity pass by full quantizations and
+measured swaps; its baseline pass is the fallback check's uniform baseline.
 """
 
 from __future__ import annotations
@@ -104,13 +107,18 @@ class QuantizeConfig(StageConfig, TextOptions):
     unit: Literal["layer", "group"] = Field("group", description="what gets one configuration: each group of "
                                                                  "linears sharing an input (fused by servers), or "
                                                                  "a whole decoder layer")
-    sensitivity: Literal["loss", "output", "output_rel", "kl"] = Field(
+    sensitivity: Literal["loss", "output", "output_rel", "kl", "kl-swap"] = Field(
         "loss", description="how much each unit suffers at each candidate: GPTQ's own layer loss (no extra "
                             "forwards; the default: it scored best of the cheap measures against the exact "
                             "table and costs least), the block output error (absolute or relative; one block "
-                            "forward per unit and candidate), or the model's KL (exact, slow)")
-    sensitivity_samples: int = Field(16, ge=1, description="calibration sequences used to measure sensitivity; as "
-                                                           "many more, held apart, judge the fallback check")
+                            "forward per unit and candidate), the model's KL (exact, slow), or kl-swap: full "
+                            "quantizations at the uniform baseline and at each candidate (default: the "
+                            "baseline's bits per channel and the next width up), then the true KL change of "
+                            "swapping each unit alone on --sensitivity-samples held-apart sequences (a forward "
+                            "from the unit's block onward per swap; streams)")
+    sensitivity_samples: int = Field(16, ge=1, description="calibration sequences used to measure sensitivity "
+                                                           "(kl-swap: as many held apart); as many more, held "
+                                                           "apart, judge the fallback check")
     refine: bool = Field(False, description="one refinement round (GPTQ with --sensitivity loss): while the "
                                             "chosen allocation is quantized, re-solve each unit's neighbouring "
                                             "candidates on the Hessian of the quantized prefix, solve the "
@@ -140,6 +148,23 @@ class QuantizeConfig(StageConfig, TextOptions):
     sequential: Literal["block", "sublayer", "linear"] = Field(
         "block", description="how often each block's inputs are re-collected: once, per sublayer (2), per "
                              "linear group (4)")
+    # --- scale search (compress/quant/gptq.py) ---
+    scale_search: Literal["none", "mse", "hessian", "obs"] = Field(
+        "hessian", description="GPTQ only: per group and row, shrink the min/max range by the factor (1 down to "
+                               "--scale-min) whose rounding error is least when the group's scale is fixed, the "
+                               "error weighted by each input's energy, the Hessian diagonal (hessian; the default, "
+                               "chosen on brown-val), unweighted (mse, as GPTQModel's mse option) or by what GPTQ's "
+                               "own loss charges a column, 1/[chol(H^-1)]_jj^2 (obs); none = plain min/max")
+    scale_min: float = Field(0.75, gt=0, le=1, description="smallest shrink factor the scale search tries")
+    scale_steps: int = Field(5, ge=0, le=100, description="steps from 1 down to --scale-min (5: 1, 0.95, ..., "
+                                                           "0.75)")
+    # --- end scale search ---
+    # --- head quantization (compress/quant/head.py) ---
+    quantize_head: int | str | None = Field(
+        None, description="also GPTQ the untied output head (lm_head) at these bits and group size: 8g128, "
+                          "4g64, 8ch (one group per row) or bare bits at --group-size; uniform --bits only; "
+                          "a tied head is refused", json_schema_extra={"metavar": "SPEC"})
+    # --- end head quantization ---
     calib: TextSpec = Field(DEFAULT_CALIB_TEXT, description="calibration text: " + TEXT_SPEC_HELP)
     text_field: str | None = text_field_option()
     messages_field: str | None = messages_field_option()
@@ -161,6 +186,11 @@ class QuantizeConfig(StageConfig, TextOptions):
             raise ValueError(f"bits must be one of {', '.join(map(str, SUPPORTED_BITS))}, got {self.bits}")
         if self.group_size is not None and self.group_size != -1 and self.group_size <= 0:
             raise ValueError(f"group_size must be -1 (one group per row) or positive, got {self.group_size}")
+        if self.method != "gptq" and self.scale_search != "none" and "scale_search" in self.model_fields_set:
+            raise ValueError(f"scale_search {self.scale_search} works with method gptq, not {self.method}")
+        if self.sensitivity == "kl-swap" and self.method != "gptq":  # kl-swap
+            raise ValueError(f"sensitivity kl-swap solves GPTQ at each candidate: it needs method gptq, not "
+                             f"{self.method}")
         if self.refine and (self.avg_bits is None or self.method != "gptq" or self.sensitivity != "loss"):
             raise ValueError("refine re-solves GPTQ's loss per unit: it needs avg_bits with method gptq and "
                              f"sensitivity loss (got avg_bits {self.avg_bits}, method {self.method}, "
@@ -171,7 +201,29 @@ class QuantizeConfig(StageConfig, TextOptions):
                              f"{self.candidates}")
         if cands is not None and any(g != -1 and g <= 0 for _, g in cands):
             raise ValueError(f"candidates: group sizes must be -1 (ch) or positive, got {self.candidates}")
+        if self.quantize_head is not None:
+            try:
+                hb, hg = self.head_pair()
+            except ValueError:
+                raise ValueError(f"quantize_head: expected e.g. 8g128, 4g64, 8ch or 8, got {self.quantize_head!r}") \
+                    from None
+            if hb not in SUPPORTED_BITS:
+                raise ValueError(f"quantize_head: bits must be one of {', '.join(map(str, SUPPORTED_BITS))}, "
+                                 f"got {hb} ({self.quantize_head!r})")
+            if hg != -1 and hg <= 0:
+                raise ValueError(f"quantize_head: group size must be -1 (ch) or positive, got {self.quantize_head!r}")
+            if self.avg_bits is not None:
+                raise ValueError("quantize_head works with uniform bits; with avg_bits it is not supported yet")
         return self
+
+    def head_pair(self) -> tuple[int, int] | None:
+        """The head's (bits, group size) from ``quantize_head``; bare bits take the group size
+        (an unresolved default reads as 128 here, as in :meth:`core`)."""
+        from layercut.compress.quant.allocate import parse_candidate
+
+        if self.quantize_head is None:
+            return None
+        return parse_candidate(self.quantize_head, 128 if self.group_size is None else self.group_size)
 
     def candidate_list(self) -> list[int]:
         """The candidate bit widths (of the listed pairs, or of the default set); kept for callers of
@@ -194,7 +246,9 @@ class QuantizeConfig(StageConfig, TextOptions):
         return QuantConfig(bits=self.bits or 4, group_size=gs, sym=self.sym,
                            act_order=self.act_order, static_groups=self.static_groups, group_aware=self.group_aware,
                            method=self.method, damp=self.damp, sequential=self.sequential,
-                           solve_dtype=self.solve_dtype)
+                           solve_dtype=self.solve_dtype,
+                           scale_search=self.scale_search if self.method == "gptq" else "none",
+                           scale_min=self.scale_min, scale_steps=self.scale_steps)
 
 
 def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = True, after_block=None,
@@ -232,34 +286,64 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
     cfg.check()
     mixed = config.avg_bits is not None
     check_model(net, replace(cfg, group_size=-1) if mixed else cfg)  # mixed: group sizes are checked per unit
+    head = config.head_pair()
+    if head is not None:
+        from layercut.compress.quant.head import check_head
+
+        report_head = {"module": check_head(net, *head), "bits": head[0], "group_size": head[1]}
     device = resolve_device(config.device)
     sym = "symmetric" if config.sym else "asymmetric"
     report: dict = {"method": config.method, "group_size": gs, "group_size_from": "default" if auto_gs else "given",
                     "sym": config.sym, "act_order": config.act_order,
                     "static_groups": config.static_groups, "group_aware": config.group_aware,
                     "sequential": config.sequential, "damp": config.damp, "solve_dtype": config.solve_dtype,
+                    "scale_search": cfg.scale_search,
+                    **({"scale_grid": [cfg.scale_min, cfg.scale_steps]} if cfg.scale_search != "none" else {}),
                     "calib": config.text_label(),
                     "samples": config.samples, "seq_len": config.seq_len}
     if not mixed:
         calib = calibration_batch(tokenizer, config.text_sources(), samples=config.samples, seq_len=config.seq_len,
                                   seed=seed)
         result = quantize_model(net, calib if config.method == "gptq" else None, cfg, batch_size=config.batch_size,
-                                device=device, progress=progress, after_block=after_block)
+                                device=device, progress=progress, after_block=after_block, head=head)
         report.update(bits=config.bits, avg_bits=result.avg_bits(), quantize_seconds=result.seconds,
-                      solve_seconds=result.solve_seconds, linears=len(result.layers), tokens=result.tokens,
+                      solve_seconds=result.solve_seconds, linears=len(result.body()), tokens=result.tokens,
                       bits_per_layer={"all linears": config.bits},
                       description=f"{config.method.upper()} ({sym}, group size {gs}), {config.bits} bits,")
+        if head is not None:  # the report and the card say the head is quantized, and how
+            from layercut.compress.quant.allocate import candidate_label
+
+            q = result.layers[result.head]
+            report_head["avg_bits"] = q.stored_bits / (q.in_features * q.out_features)
+            label = candidate_label(head)
+            report.update(head=report_head, bits_per_layer={"all linears": config.bits, result.head: label},
+                          description=f"{config.method.upper()} ({sym}, group size {gs}), {config.bits} bits; "
+                                      f"output head {result.head} {label} ({report_head['avg_bits']:.2f} bits per "
+                                      "weight); decoder blocks:")
         return result, report, None, None
 
     units = allocation_units(net, config.unit)
     table = [u.to_unit({}) for u in units]  # costs and fits only
-    cands, baseline = resolve_candidates(table, config.avg_bits, config.candidate_pairs(), config.fallback_check)
+    swap = config.sensitivity == "kl-swap"  # kl-swap: full quants + measured swaps (compress/quant/swap.py)
+    cands, baseline = resolve_candidates(table, config.avg_bits, config.candidate_pairs(),
+                                         config.fallback_check or swap)
+    if swap:
+        from layercut.compress.quant.swap import kl_swap_table, swap_candidates
+
+        cands = swap_candidates(table, baseline, config.candidate_pairs())
     n = config.sensitivity_samples
     calib = calibration_batch(tokenizer, config.text_sources(), samples=config.samples, seq_len=config.seq_len,
                               seed=seed)  # Hessians
     sub = CalibSet(calib.input_ids[:n], calib.attention_mask[:n])  # sensitivities
-    sens = measure_sensitivity(net, sub, units, cands, cfg, methods=(config.sensitivity,),
-                               batch_size=config.batch_size, device=device, progress=progress)
+    swap_base = None  # kl-swap: the uniform baseline, already quantized
+    if swap:
+        held_swap, how_swap = held_apart(tokenizer, config.text_sources(), n, config.seq_len, seed, config.samples, part=1)
+        sens, swap_base = kl_swap_table(net, calib, held_swap, units, cands, baseline, cfg,
+                                        batch_size=config.batch_size, device=device, progress=progress, stream=stream)
+        sens.data = how_swap
+    else:
+        sens = measure_sensitivity(net, sub, units, cands, cfg, methods=(config.sensitivity,),
+                                   batch_size=config.batch_size, device=device, progress=progress)
     alloc_units = [u.to_unit(sens.delta[u.name]) for u in units]
     alloc = allocate_bits(alloc_units, config.avg_bits, candidates=cands, max_cells=MAX_DP_CELLS)
     refiner = Refiner(units, alloc_units, alloc, cands, cfg) if config.refine else None  # GPTQ + loss (checked)
@@ -287,7 +371,8 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
         uniform_plan = {name: baseline for name in expand_bits(units, alloc.choice)}
         if stream is None:
             verdict, result = fallback_check(net, gptq_calib, held, cfg, fp, result, uniform_plan,
-                                             batch_size=config.batch_size, device=device, progress=progress)
+                                             batch_size=config.batch_size, device=device, progress=progress,
+                                             uniform=swap_base)
         else:
             verdict, result = stream.fallback_check(gptq_calib, held, cfg, result, uniform_plan,
                                                     batch_size=config.batch_size, device=device,
