@@ -103,7 +103,7 @@ def run_seed(args, seed: int, bits: int, fp, tok, ref, work: Path) -> dict:
     from layercut.calibrate.data import calibration_batch
     from layercut.compress.evaluate import evaluate
     from layercut.compress.quant.checkpoint import save_quantized
-    from layercut.compress.quant.driver import QuantConfig, quantize_model
+    from layercut.compress.quant.driver import SolverConfig, quantize_model
     from layercut.compress.quant.head import head_hessian, quantize_head
     from layercut.compress.quant.loader import load_quantized
     from layercut.compress.quant.mixed import load_weights
@@ -111,7 +111,7 @@ def run_seed(args, seed: int, bits: int, fp, tok, ref, work: Path) -> dict:
     from layercut.compress.quant.result import QuantizeResult
 
     calib = calibration_batch(tok, args.calib, samples=args.samples, seq_len=args.seq_len, seed=seed)
-    cfg = QuantConfig(bits=bits, group_size=GS, act_order=True, static_groups=True)
+    cfg = SolverConfig(bits=bits, group_size=GS, act_order=True, static_groups=True)
     model = untied_copy(fp)
     last: dict = {}
 

@@ -116,8 +116,8 @@ def group_size(name: str) -> int:
 def quantized_dir(name: str) -> Path:
     """The 4-bit checkpoint of ``name`` the eval-quantized rows read (written once; see the module doc)."""
     from layercut.compress.models import cache_dir
+    from layercut.compress.quant.config import QuantizeConfig
     from layercut.compress.stages.base import RunEnv
-    from layercut.compress.stages.quantize import QuantizeConfig
     from layercut.compress.stages.quantize import run as run_quantize
 
     method, samples, seq_len = QUANT_RECIPE[name]
@@ -219,7 +219,7 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
     elif stage in ("quantize", "quantize-mixed"):
         import tempfile
 
-        from layercut.compress.stages.quantize import QuantizeConfig
+        from layercut.compress.quant.config import QuantizeConfig
         from layercut.compress.stages.quantize import run as run_quantize
 
         group = group_size(name)

@@ -9,7 +9,7 @@ For each target (a percentage of the source's bf16 bytes, 2 bytes per parameter)
 
 - **plan**: ``layercut plan bundled:smollm2-135m --target-size T`` with its defaults (calibration
   64 × 128 tokens for GPTQ, 32 × 128 for the depth cuts, KL judged on 16 × 128 held-apart
-  calibration tokens, top-3 verified); its wall time;
+  calibration tokens, top-2 verified); its wall time;
 - **uniform**: plain ``layercut quantize`` (GPTQ, the same calibration) at the costliest
   (bits, group size) of the plan's search set (group sizes 128/64/per row; 4-bit g32 is left
   out: it is the bundled model's own Q4_1 grid) whose bytes fit; its wall time is the "one
@@ -61,11 +61,11 @@ def measure(target: str, work: Path) -> dict:
     from layercut.compress.plan.config import PlanConfig
     from layercut.compress.plan.search import plan
     from layercut.compress.plan.space import Layout, pair_label, uniform_configs
+    from layercut.compress.quant.config import QuantizeConfig
     from layercut.compress.stages import export, prune, quantize
     from layercut.compress.stages.base import RunEnv
     from layercut.compress.stages.export import ExportConfig
     from layercut.compress.stages.prune import PruneConfig
-    from layercut.compress.stages.quantize import QuantizeConfig
 
     src = resolve_model(MODEL)
     cfg = PlanConfig(size=target)

@@ -166,6 +166,20 @@ ROWS: dict[str, dict] = {
     **{f"layercut-{b}-asym-{ss}": {"kind": "ours", "method": "gptq", "bits": b, "sym": False, "solve_dtype": "float32",
                                    "scale_search": ss, "seeds": True}
        for b in (4, 3) for ss in ("hessian", "mse", "obs")},
+    # least-squares scales for GPTQ's final codes (compress/quant/scale_fit.py) on top of the default search
+    **{f"layercut-{b}-asym-hessian-refit": {"kind": "ours", "method": "gptq", "bits": b, "sym": False,
+                                            "solve_dtype": "float32", "scale_search": "hessian",
+                                            "refit_scales": True, "seeds": True} for b in (4, 3)},
+    # the search over a wider grid (shrink factors 1, 0.95, ..., 0.5), with and without the refit
+    **{f"layercut-{b}-asym-hessian-wide{r}": {"kind": "ours", "method": "gptq", "bits": b, "sym": False,
+                                             "solve_dtype": "float32", "scale_search": "hessian",
+                                             "scale_min": 0.5, "scale_steps": 10, "refit_scales": bool(r),
+                                             "seeds": True} for b in (4, 3) for r in ("", "-refit")},
+    # mixed bits at uniform 4-bit g64's bytes, CLI defaults (loss sensitivity, no refine, the default
+    # candidates, the hessian scale search): can an allocation beat uniform 4-bit where the demo must?
+    "mixed-4.3125-hessian": {"kind": "ours", "method": "gptq", "avg_bits": 4 + (16 + 4) / GS, "unit": "group",
+                             "sym": False, "sensitivity": "loss", "refine": False, "scale_search": "hessian",
+                             "solve_dtype": "float32", "seeds": True},
     # GPTQModel's `mse` option (its range search: p = 1, 0.99, ..., 0.21 of the min/max range per
     # group, plain |w - q|^2 error, on the original weights under static groups) at the matched settings
     "gptqmodel-4-asym-mse": {"kind": "gptqmodel", "bits": 4, "sym": False, "matched": True, "mse": 2.0,
@@ -331,7 +345,7 @@ def child_ours(args, work: Path, name: str, spec: dict, seed: int) -> dict:
         refine=spec.get("refine", True) if spec.get("avg_bits") else False,  # uniform bits: refine is an error
         candidates=spec.get("candidates"), **({"fallback_check": spec["fallback_check"]} if "fallback_check" in spec else {}),
         scale_search=spec.get("scale_search", "none"),  # explicit: rows without it are the no-search ones
-        **{k: spec[k] for k in ("scale_min", "scale_steps") if k in spec},
+        **{k: spec[k] for k in ("scale_min", "scale_steps", "refit_scales") if k in spec},
         **{k: spec[k] for k in ("sensitivity_samples",) if k in spec},  # kl-swap rows
         samples=args.samples, seq_len=args.seq_len, seed=seed, sensitivity=sens, progress=False, overwrite=True,
     )
@@ -414,7 +428,7 @@ def child_gptqmodel(args, work: Path, name: str, spec: dict, seed: int) -> dict:
 def child_sensitivity(args, work: Path) -> dict:
     from layercut.calibrate.data import CalibSet, calibration_batch
     from layercut.compress.models import load_model
-    from layercut.compress.quant.driver import QuantConfig
+    from layercut.compress.quant.driver import SolverConfig
     from layercut.compress.quant.sensitivity import allocation_units, measure_sensitivity, rank_correlation
 
     model, tok = load_model(MODEL)
@@ -423,7 +437,7 @@ def child_sensitivity(args, work: Path) -> dict:
     units = allocation_units(model, "layer")
     cands = (2, 3, 4)
     t0 = time.perf_counter()
-    table = measure_sensitivity(model, calib, units, cands, QuantConfig(group_size=GS),
+    table = measure_sensitivity(model, calib, units, cands, SolverConfig(group_size=GS),
                                 methods=("kl", "output", "output_rel", "loss"), batch_size=4, progress=False)
     kl = table.by_method["kl"]
     corr = {}

@@ -67,7 +67,7 @@ from layercut.compress.errors import LayercutError  # noqa: E402
 from layercut.compress.quant.allocate import _solve_dp, unit_cost  # noqa: E402
 from layercut.compress.quant.driver import (  # noqa: E402
     HessianSet,
-    QuantConfig,
+    SolverConfig,
     check_model,
     linear_weight,
     output_loss,
@@ -130,7 +130,7 @@ def units_of(model: nn.Module) -> list[UnitInfo]:
 # ------------------------------------------------------------------------------ quantizing
 
 
-def unit_config(cfg: QuantConfig, c: tuple[int, int]) -> QuantConfig:
+def unit_config(cfg: SolverConfig, c: tuple[int, int]) -> SolverConfig:
     return replace(cfg, bits=c[0], group_size=c[1])
 
 
@@ -139,7 +139,7 @@ def quantize_sequential(
     model: nn.Module,
     fp_weights: dict[str, Tensor],
     calib: CalibSet,
-    cfg: QuantConfig,
+    cfg: SolverConfig,
     units: list[UnitInfo],
     choice: dict[str, tuple[int, int]] | None = None,
     hessian_dtype: torch.dtype = torch.float32,
@@ -179,7 +179,7 @@ def quantize_sequential(
     return hessians
 
 
-def solve_unit(u: UnitInfo, fp_weights: dict[str, Tensor], H: Tensor, cfg: QuantConfig,
+def solve_unit(u: UnitInfo, fp_weights: dict[str, Tensor], H: Tensor, cfg: SolverConfig,
                c: tuple[int, int]) -> tuple[list[Tensor], float]:
     """Dequantized weights of u's linears at candidate c, and Σ ½ tr(ΔW H ΔWᵀ) (undamped)."""
     parts = solve_group([fp_weights[n] for n in u.linears], H, c[0], unit_config(cfg, c))
@@ -543,8 +543,8 @@ def run(a: argparse.Namespace, cands: list[tuple[int, int]], settings: dict) -> 
     if unknown:
         raise LayercutError(f"--units: unknown unit(s) {', '.join(unknown)}")
     units = [u for u in all_units if not wanted or u.name in wanted]
-    cfg = QuantConfig(bits=BASE[0], group_size=BASE[1], sym=False, act_order=True, static_groups=True,
-                      damp=a.damp, sequential="block")
+    cfg = SolverConfig(bits=BASE[0], group_size=BASE[1], sym=False, act_order=True, static_groups=True,
+                       damp=a.damp, sequential="block")
     calib = calibration_batch(tok, a.calib, samples=a.calib_samples, seq_len=a.calib_seq_len, seed=a.seed)
     data = eval_set(tok, a.calib, a.eval_windows, a.eval_seq_len, a.eval_offset)
     fp = {n: linear_weight(model.get_submodule(n), spec.conv1d).detach().clone() for u in all_units for n in u.linears}

@@ -40,9 +40,9 @@ from layercut.compress.errors import BOUNDS, LayercutError, unknown_key_message
 from layercut.compress.eval_config import EvalConfig
 from layercut.compress.options import StageConfig
 from layercut.compress.plan.config import PlanConfig
+from layercut.compress.quant.config import QuantizeConfig
 from layercut.compress.select.config import ScoreConfig
 from layercut.compress.stages import config_types
-from layercut.compress.stages.quantize import QuantizeConfig
 from layercut.export.config import ExportConfig
 from layercut.heal.config import HealConfig
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -78,6 +79,9 @@ def weight_map(folder: str | os.PathLike) -> dict[str, str]:
 _ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
              torch.bool: "BOOL"}
+# safetensors' own order inside a file (save_file): dtypes in this order, then names; add_shard follows it
+_ST_ORDER = {dt: i for i, dt in enumerate((torch.int64, torch.float64, torch.float32, torch.int32, torch.bfloat16,
+                                           torch.float16, torch.int16, torch.int8, torch.uint8, torch.bool))}
 COPY_CHUNK = 64 * 2**20
 
 
@@ -110,9 +114,24 @@ class ShardWriter:
             raise ValueError(f"tensor {name!r} added twice")
         if tensor.dtype not in _ST_NAMES:
             raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} cannot be stored in safetensors")
-        size = tensor.numel() * tensor.element_size()
-        if self._entries and self._pending_bytes + size > self.max_bytes:
+        if self._entries and self._pending_bytes + tensor.numel() * tensor.element_size() > self.max_bytes:
             self.flush()
+        self._add(name, tensor)
+
+    def add_shard(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Write ``tensors`` as one shard of their own, laid out as safetensors' ``save_file`` lays
+        out a file (by dtype, then by name), so the shard is byte for byte the file it would write."""
+        self.flush()
+        for name in sorted(tensors, key=lambda n: (_ST_ORDER.get(tensors[n].dtype, len(_ST_ORDER)), n)):
+            self._add(name, tensors[name])
+        self.flush()
+
+    def _add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._names:
+            raise ValueError(f"tensor {name!r} added twice")
+        if tensor.dtype not in _ST_NAMES:
+            raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} cannot be stored in safetensors")
+        size = tensor.numel() * tensor.element_size()
         if self._data is None:
             self._data = open(self.folder / f".shard-{len(self._shards):05d}.data", "wb")
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)

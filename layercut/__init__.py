@@ -50,7 +50,7 @@ _LAZY = {
     "LayercutError": "layercut.compress.errors", "GateFailed": "layercut.compress.errors",
     "Recipe": "layercut.compress.recipe",
     "ScoreConfig": "layercut.compress.stages.score", "PruneConfig": "layercut.compress.stages.prune",
-    "HealConfig": "layercut.heal.config", "QuantizeConfig": "layercut.compress.stages.quantize",
+    "HealConfig": "layercut.heal.config", "QuantizeConfig": "layercut.compress.quant.config",
     "EvalConfig": "layercut.compress.stages.eval", "ExportConfig": "layercut.compress.stages.export",
 }
 

@@ -16,9 +16,9 @@ from layercut.compress.depth.config import PruneConfig
 from layercut.compress.errors import LayercutError
 from layercut.compress.eval_config import EvalConfig
 from layercut.compress.options import StageConfig
+from layercut.compress.quant.config import QuantizeConfig
 from layercut.compress.recipe import Recipe
 from layercut.compress.select.config import ScoreConfig
-from layercut.compress.stages.quantize import QuantizeConfig
 from layercut.export.config import ExportConfig
 from layercut.heal.config import HealConfig
 

@@ -67,9 +67,10 @@ def test_score_in_memory_equals_score_on_disk(tiny_model_dir):
 
 def test_quantize_in_memory_equals_the_checkpoint(tiny_model_dir, tmp_path):
     """layercut.quantize leaves each linear holding exactly what the stage's checkpoint decodes to."""
+    from layercut.compress.quant.config import QuantizeConfig
     from layercut.compress.quant.qlinear import QuantLinear
     from layercut.compress.stages.base import RunEnv
-    from layercut.compress.stages.quantize import QuantizeConfig, run
+    from layercut.compress.stages.quantize import run
 
     src = tiny_model_dir("llama")
     config = QuantizeConfig(avg_bits=6.0, candidates=[4, 8], group_size=32, samples=4, seq_len=32, batch_size=2,

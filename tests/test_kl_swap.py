@@ -12,7 +12,7 @@ import torch
 
 from layercut.compress.cli import main
 from layercut.compress.quant.allocate import allocate_bits, uniform_avg_bits
-from layercut.compress.quant.driver import QuantConfig
+from layercut.compress.quant.driver import SolverConfig
 from layercut.compress.quant.loader import load_quantized
 from layercut.compress.quant.mixed import compare_kl, float_weights, held_apart
 from layercut.compress.quant.sensitivity import allocation_units
@@ -48,7 +48,7 @@ def test_swaps_equal_the_whole_model_kl(tiny_tokenizer):
     model = small_model()
     fp = float_weights(model)
     units = allocation_units(model, "group")
-    cfg = QuantConfig(group_size=32, act_order=True, static_groups=True)
+    cfg = SolverConfig(group_size=32, act_order=True, static_groups=True)
     base, variants = quantize_variants(model, _calib(tiny_tokenizer, 4, 32), cfg, units, (3, 32), CANDS,
                                        batch_size=2, progress=False)
     held, _ = held_apart(tiny_tokenizer, "bundled:brown-calib", 3, 32, 0, 4, part=1)
@@ -148,7 +148,8 @@ def test_kl_swap_streams_like_the_whole_model(hot_dir, tmp_path):
     measured other models, or left the .uniform folder behind."""
     from safetensors.torch import load_file
 
-    from layercut.compress.stages.quantize import QuantizeConfig, run
+    from layercut.compress.quant.config import QuantizeConfig
+    from layercut.compress.stages.quantize import run
 
     kw = dict(avg_bits=_budget_one_promotion(small_model(), HOT), candidates="3g32,4g32",
               sensitivity="kl-swap", samples=4, seq_len=32, sensitivity_samples=3, batch_size=2)

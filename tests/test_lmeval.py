@@ -116,8 +116,8 @@ def test_tasks_on_a_depth_pruned_model_in_a_recipe(lm_eval, tiny_model_dir, tmp_
 
 def test_tasks_on_a_gptq_checkpoint_run_its_quantlinear_layers(lm_eval, tiny_model_dir, tmp_path, monkeypatch):
     import layercut.compress.lmeval
+    from layercut.compress.quant.config import QuantizeConfig
     from layercut.compress.quant.qlinear import QuantLinear
-    from layercut.compress.stages.quantize import QuantizeConfig
     from layercut.compress.stages.quantize import run as quantize
 
     q = tmp_path / "q4"

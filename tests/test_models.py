@@ -219,3 +219,23 @@ def test_streamed_gguf_conversion_matches_transformers(tmp_path, monkeypatch):
 
     with safe_open(str(bf16 / "model.safetensors"), framework="pt") as fh:
         assert fh.get_tensor("model.layers.0.mlp.down_proj.weight").dtype == torch.bfloat16
+
+
+def test_add_shard_writes_what_save_file_writes(tmp_path):
+    """A shard from ``add_shard`` is byte for byte safetensors' ``save_file`` of the same tensors
+    (dtype order, then names), so the GPTQ checkpoint writer kept its files when it moved onto ShardWriter."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    dtypes = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.bool)
+    tensors = {f"{name}.{i}": torch.randn(3, 5, generator=g).mul(9).to(dt)
+               for i, dt in enumerate(dtypes) for name in ("b", "A", "a")}
+    tensors["empty"] = torch.zeros(0, 4, dtype=torch.float16)
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    writer = ShardWriter(tmp_path / "w", always_index=True)
+    writer.add_shard(tensors)
+    writer.add_shard({"z": torch.ones(2)})
+    writer.close()
+    assert (tmp_path / "w" / "model-00001-of-00002.safetensors").read_bytes() == \
+        (tmp_path / "ref.safetensors").read_bytes()

@@ -39,9 +39,9 @@ def test_enumeration_keeps_only_what_fits(layout):
 
 def test_predicted_bytes_equal_written_bytes(tiny_model_dir, layout, tmp_path):
     """Uniform, per-channel and mixed quantizations of the full and a cut model; the dense cut."""
+    from layercut.compress.quant.config import QuantizeConfig
     from layercut.compress.stages import prune, quantize
     from layercut.compress.stages.prune import PruneConfig
-    from layercut.compress.stages.quantize import QuantizeConfig
 
     src, env, n = tiny_model_dir("llama"), RunEnv(progress=False), layout.num_blocks
     rep = prune.run(PruneConfig(drop=2, select="block-influence", replace="lstsq", samples=8, seq_len=32),
@@ -94,9 +94,14 @@ def test_smallest_reachable_size_is_named(tiny_model_dir, tmp_path, capsys, layo
     assert f"smallest candidate, {smallest:,} bytes" in err[0] and "3 of 6 blocks removed, 2ch" in err[0]
 
 
-def test_plan_end_to_end_writes_a_loadable_model_within_target(tiny_model_dir, tmp_path, capsys):
+def test_plan_end_to_end_writes_a_loadable_model_within_target(tiny_model_dir, tmp_path, capsys, monkeypatch):
     from layercut.compress.models import load_model
     from layercut.compress.recipe import load_recipe
+    from layercut.compress.select import driver
+
+    calls = []
+    real = driver.compute_scores
+    monkeypatch.setattr(driver, "compute_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     code = main(["plan", str(tiny_model_dir("llama")), "--target-size", "45%", "-o", str(tmp_path / "p"),
                  "--top-k", "2", "--json", *FAST])
@@ -115,6 +120,7 @@ def test_plan_end_to_end_writes_a_loadable_model_within_target(tiny_model_dir, t
     recipe = load_recipe(out / "recipe.yaml")
     assert [s.stage for s in recipe.stages][-1] == "export" and recipe.target is None
     assert not (out / ".work").exists()
+    assert len(calls) <= 1  # the blocks are scored once, whatever the number of cuts
 
 
 def test_target_recipe_with_stages_is_refused(tmp_path, capsys):
@@ -141,3 +147,59 @@ def test_target_recipe_plans_then_runs(tiny_model_dir, tmp_path, capsys):
     # the run rebuilt the plan's winner from its recipe: the same bytes
     assert weight_bytes(final) == weight_bytes(out / "00-plan" / "model")
     assert [s["stage"] for s in report["stages"]][-1] == "export"
+
+
+def test_block_scores_are_computed_once_for_all_cuts(tiny_model_dir, tmp_path, monkeypatch):
+    """The first cut scores the blocks; later cuts select from those scores (nested removed sets),
+    and pick exactly what the prune stage picks on its own."""
+    from layercut.calibrate.sources import TextSource
+    from layercut.compress.models import load_tokenizer
+    from layercut.compress.plan.measure import KLJudge
+    from layercut.compress.plan.search import _cut, _prune_config, _removed
+    from layercut.compress.select import driver
+    from layercut.compress.stages import prune
+
+    calls = []
+    real = driver.compute_scores
+    monkeypatch.setattr(driver, "compute_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+    src = tiny_model_dir("llama")
+    cfg = PlanConfig(size="45%", samples=8, prune_samples=8, seq_len=32, kl_samples=2)
+    judge = KLJudge(src, load_tokenizer(src), [TextSource(source=cfg.calib)], cfg.kl_samples, cfg.seq_len, cfg.seed,
+                    calib_samples=cfg.samples)
+    work = tmp_path / "work"
+    work.mkdir()
+    first = _cut(cfg, str(src), src, 1, work, judge, False)
+    assert len(calls) == 1 and first["scores"]
+    cuts = [first] + [_cut(cfg, str(src), src, d, work, judge, False, first["scores"]) for d in (2, 3)]
+    assert len(calls) == 1  # not rescored per cut
+    removed = [c["removed"] for c in cuts]
+    assert all(set(a) < set(b) for a, b in zip(removed, removed[1:]))
+    assert removed[2] == _removed(first["scores"], 3)
+    alone = prune.run(_prune_config(cfg, 3), src, tmp_path / "alone", RunEnv(progress=False))
+    assert alone["layers"] == removed[2] and len(calls) == 2
+    assert judge.kl_path(tmp_path / "alone") == cuts[2]["kl"]
+
+
+def test_cut_bound_skips_cuts_that_cannot_beat_the_best():
+    from layercut.compress.plan.search import cut_bound
+
+    assert cut_bound(0.3, [0.4, 0.2], 20, 30) == pytest.approx(0.3 + 0.2 * 20 / 30)
+    assert cut_bound(0.3, [], 20, 30) == float("inf")  # nothing fits: nothing to measure
+    assert cut_bound(0.3, [0.0, 0.5], 20, 30) == 0.3  # a dense candidate: the old rule (cut KL alone)
+
+
+def test_rtn_prediction_leaves_the_source_weights_unchanged(tiny_model_dir):
+    import torch
+
+    from layercut.calibrate.sources import TextSource
+    from layercut.compress.models import load_tokenizer
+    from layercut.compress.plan.measure import KLJudge
+
+    src = tiny_model_dir("llama")
+    judge = KLJudge(src, load_tokenizer(src), [TextSource(source=PlanConfig(size="45%").calib)], 2, 32, 0,
+                    calib_samples=8)
+    before = {k: v.clone() for k, v in judge.model.state_dict().items()}
+    first = judge.rtn_kl((2, -1))
+    assert first > 0 and judge.kl_model(judge.model) == pytest.approx(0.0, abs=1e-6)
+    assert all(torch.equal(before[k], v) for k, v in judge.model.state_dict().items())
+    assert judge.rtn_kl((2, -1)) == first

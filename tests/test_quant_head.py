@@ -22,7 +22,7 @@ from layercut.calibrate.data import CalibSet, calibration_batch
 from layercut.compress.cli import main
 from layercut.compress.errors import LayercutError
 from layercut.compress.quant.checkpoint import save_quantized
-from layercut.compress.quant.driver import QuantConfig, quantize_model
+from layercut.compress.quant.driver import SolverConfig, quantize_model
 from layercut.compress.quant.gptq import hessian_update
 from layercut.compress.quant.head import check_head, head_hessian, quantize_head
 from layercut.compress.quant.loader import load_quantized
@@ -62,7 +62,7 @@ def headq(tmp_path_factory, tiny_tokenizer):
     probe = _probe(tiny_tokenizer)
     for kind, head in (("8g32", (8, GS)), ("4g32", (4, GS))):
         model = small_model()
-        res = quantize_model(model, _calib(tiny_tokenizer), QuantConfig(bits=4, group_size=GS), batch_size=4,
+        res = quantize_model(model, _calib(tiny_tokenizer), SolverConfig(bits=4, group_size=GS), batch_size=4,
                              progress=False, head=head)
         path = tmp_path_factory.mktemp("qh") / kind
         save_quantized(model, tiny_tokenizer, res, path)
@@ -130,7 +130,7 @@ def test_sliced_head_solve_equals_one_solve_and_beats_rtn(tiny_tokenizer):
     calib = _calib(tiny_tokenizer)
     H, _ = head_hessian(model, run_blocks(model, calib, [], batch_size=4, progress=False),
                         [m.bool() for _, m in calib.split(4)])
-    cfg = QuantConfig(bits=4, group_size=GS, act_order=True, static_groups=True)
+    cfg = SolverConfig(bits=4, group_size=GS, act_order=True, static_groups=True)
     packed = {}
     for rows in (64, 1 << 14):
         m = copy.deepcopy(model)
@@ -141,7 +141,7 @@ def test_sliced_head_solve_equals_one_solve_and_beats_rtn(tiny_tokenizer):
         for k in ("qweight", "qzeros", "scales", "g_idx"):
             assert torch.equal(a.tensors[k], b.tensors[k]), (bits, k)
         assert a.loss == pytest.approx(b.loss, rel=1e-4)
-    rtn = quantize_head(copy.deepcopy(model), None, 4, GS, QuantConfig(bits=4, group_size=GS, method="rtn"),
+    rtn = quantize_head(copy.deepcopy(model), None, 4, GS, SolverConfig(bits=4, group_size=GS, method="rtn"),
                         QuantizeResult(config=cfg))
     W = model.lm_head.weight.detach()
     t = rtn.tensors

@@ -170,8 +170,8 @@ def test_flags_round_trip_every_kind_of_field():
     """A command line of every field kind gives the config a recipe would: ints, floats, lists, Literals,
     bools (--x/--no-x), percentages."""
     from layercut.compress.cli import build_parser
+    from layercut.compress.quant.config import QuantizeConfig
     from layercut.compress.stages.flags import config_from_args
-    from layercut.compress.stages.quantize import QuantizeConfig
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     args = sub["quantize"].parse_args(["m", "-o", "o", "--avg-bits", "3.5", "--candidates", "3,4", "--no-act-order",
@@ -220,8 +220,8 @@ def test_score_stage_methods():
 
 
 def test_quantize_stage_checks():
+    from layercut.compress.quant.config import QuantizeConfig as QuantizeStage
     from layercut.compress.quant.sensitivity import METHODS
-    from layercut.compress.stages.quantize import QuantizeConfig as QuantizeStage
 
     # the proxies sensitivity.py measures, plus kl-swap (measured in quant/swap.py)
     assert set(QuantizeStage.model_fields["sensitivity"].annotation.__args__) == set(METHODS) | {"kl-swap"}
@@ -279,3 +279,14 @@ def test_flag_generation_from_a_new_config():
     assert config_from_args(NewConfig, parser.parse_args(["--limit", "0.5"])).limit == 0.5
     with pytest.raises(LayercutError, match=r"^--group-size must be >= 1 \(got 0\)$"):
         config_from_args(NewConfig, parser.parse_args(["--group-size", "0"]))
+
+
+def test_recipe_imports_no_stage_module():
+    """Each stage config lives beside its algorithm (stages.CONFIG_HOMES): reading a recipe loads no stage."""
+    import subprocess
+    import sys
+
+    code = ("import sys, layercut.compress.recipe; "
+            "print(sorted(m for m in sys.modules if m.startswith('layercut.compress.stages.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from layercut.compress.errors import LayercutError
-from layercut.compress.quant.driver import QuantConfig, quantize_model
+from layercut.compress.quant.driver import SolverConfig, quantize_model
 from layercut.compress.quant.gptq import gptq_quantize, layer_loss, shrink_grid
 from tests.test_gptq import _layer
 
@@ -129,9 +129,9 @@ def test_bad_options_are_refused():
     W, _, H = _layer()
     with pytest.raises(LayercutError, match="scale_search"):
         gptq_quantize(W, H, 4, GS, scale_search="minmax")
-    for cfg, words in ((QuantConfig(scale_search="l2"), "scale search"), (QuantConfig(scale_min=0.0), "scale_min"),
-                       (QuantConfig(scale_steps=-1), "scale_steps"),
-                       (QuantConfig(method="rtn", scale_search="mse"), "method gptq")):
+    for cfg, words in ((SolverConfig(scale_search="l2"), "scale search"), (SolverConfig(scale_min=0.0), "scale_min"),
+                       (SolverConfig(scale_steps=-1), "scale_steps"),
+                       (SolverConfig(method="rtn", scale_search="mse"), "method gptq")):
         with pytest.raises(LayercutError, match=words):
             cfg.check()
 
@@ -139,7 +139,7 @@ def test_bad_options_are_refused():
 def test_stage_config_passes_the_search_to_the_solver():
     from pydantic import ValidationError
 
-    from layercut.compress.stages.quantize import QuantizeConfig
+    from layercut.compress.quant.config import QuantizeConfig
 
     core = QuantizeConfig(bits=4, scale_search="hessian", scale_min=0.6, scale_steps=8).core()
     assert (core.scale_search, core.scale_min, core.scale_steps) == ("hessian", 0.6, 8)
@@ -165,8 +165,8 @@ def test_searched_checkpoint_loads_in_layercut_and_stock_transformers(tmp_path, 
     for kind in ("none", "hessian"):
         model = small_model("llama")
         res = quantize_model(model, _calib(tiny_tokenizer),
-                             QuantConfig(bits=4, group_size=GS, act_order=True, static_groups=True,
-                                         scale_search=kind, scale_min=0.5, scale_steps=10),
+                             SolverConfig(bits=4, group_size=GS, act_order=True, static_groups=True,
+                                          scale_search=kind, scale_min=0.5, scale_steps=10),
                              batch_size=4, progress=False)
         runs[kind] = (model, res)
     _, r_none = runs["none"]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from layercut.calibrate.data import calibration_batch
 from layercut.compress.arch import arch_for
-from layercut.compress.quant.driver import QuantConfig, linear_weight, quantize_model, set_weight
+from layercut.compress.quant.driver import SolverConfig, linear_weight, quantize_model, set_weight
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,8 +41,8 @@ def _model(layers: int = 3):
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def _cfg() -> QuantConfig:
-    return QuantConfig(bits=3, group_size=64, act_order=True, static_groups=True, damp=0.01, sequential="block")
+def _cfg() -> SolverConfig:
+    return SolverConfig(bits=3, group_size=64, act_order=True, static_groups=True, damp=0.01, sequential="block")
 
 
 def _fp(model, units):

@@ -111,8 +111,8 @@ def test_mixing_draws_each_source_by_weight(tiny_tokenizer, tmp_path):
 
 
 def test_stage_configs_take_a_string_or_a_weighted_list(chat_folder):
+    from layercut.compress.quant.config import QuantizeConfig
     from layercut.compress.recipe import Recipe
-    from layercut.compress.stages.quantize import QuantizeConfig
     from layercut.heal.config import HealConfig
 
     entry = {"source": f"hf:{chat_folder}@train[:10]", "messages_field": "chat", "chat_template": True,

@@ -239,8 +239,9 @@ def test_quantize_stage_streams_and_matches_whole_model(family, method, tiny_mod
     """Uniform-bit GPTQ or RTN block by block (written and freed at each block's turn) == the whole-model path."""
     from safetensors.torch import load_file
 
+    from layercut.compress.quant.config import QuantizeConfig
     from layercut.compress.quant.loader import load_quantized
-    from layercut.compress.stages.quantize import QuantizeConfig, run
+    from layercut.compress.stages.quantize import run
 
     src = tiny_model_dir(family)
     kw = dict(bits=4, group_size=32, samples=6, seq_len=32, batch_size=3, method=method)

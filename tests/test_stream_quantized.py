@@ -25,7 +25,7 @@ from layercut.compress.errors import LayercutError
 from layercut.compress.evaluate import evaluate_path
 from layercut.compress.lazy import LazyModel
 from layercut.compress.quant.checkpoint import save_quantized
-from layercut.compress.quant.driver import QuantConfig, quantize_model
+from layercut.compress.quant.driver import SolverConfig, quantize_model
 from layercut.compress.quant.qlinear import QuantLinear
 from layercut.compress.stream_eval import evaluate_streamed
 
@@ -47,7 +47,7 @@ def _quantize(model, kind, tokenizer, folder):
     from layercut.calibrate.data import calibration_batch
 
     calib = calibration_batch(tokenizer, "bundled:brown-calib", samples=6, seq_len=32, seed=0)
-    cfg = QuantConfig(bits=4, group_size=32, act_order=kind == "act-order")
+    cfg = SolverConfig(bits=4, group_size=32, act_order=kind == "act-order")
     plan = _mixed_plan(model) if kind == "mixed" else None
     res = quantize_model(model, calib, cfg, plan, batch_size=3, progress=False)
     save_quantized(model, tokenizer, res, folder)

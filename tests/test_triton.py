@@ -377,7 +377,7 @@ def test_quantized_tiny_model_through_triton(tiny_tokenizer, tmp_path, monkeypat
     from layercut.calibrate.data import calibration_batch
     from layercut.compress.arch import target_linears
     from layercut.compress.quant.checkpoint import save_quantized
-    from layercut.compress.quant.driver import QuantConfig, quantize_model
+    from layercut.compress.quant.driver import SolverConfig, quantize_model
     from layercut.compress.quant.loader import load_quantized
     from layercut.compress.quant.qlinear import QuantLinear
     from tests.conftest import tiny_config
@@ -388,7 +388,7 @@ def test_quantized_tiny_model_through_triton(tiny_tokenizer, tmp_path, monkeypat
     model = AutoModelForCausalLM.from_config(cfg).eval()
     bits = {n: (2, 3, 4, 8)[int(n.split(".")[2])] for _, _, n, _ in target_linears(model)}
     calib = calibration_batch(tiny_tokenizer, "bundled:brown-calib", samples=4, seq_len=32, seed=0)
-    qcfg = QuantConfig(bits=4, group_size=32, act_order=act_order)
+    qcfg = SolverConfig(bits=4, group_size=32, act_order=act_order)
     res = quantize_model(model, calib, qcfg, bits, batch_size=4, progress=False)
     model_q = load_quantized(save_quantized(model, tiny_tokenizer, res, tmp_path / "q"), dtype=torch.float32)
     layers = [m for m in model_q.modules() if isinstance(m, QuantLinear)]
@@ -408,11 +408,11 @@ def test_smollm2_rtn_g64_through_triton(tmp_path, monkeypatch):
     Triton in the interpreter give the reference path's logits."""
     from layercut.compress.models import load_model
     from layercut.compress.quant.checkpoint import save_quantized
-    from layercut.compress.quant.driver import QuantConfig, quantize_model
+    from layercut.compress.quant.driver import SolverConfig, quantize_model
     from layercut.compress.quant.loader import load_quantized
 
     model, tok = load_model("bundled:smollm2-135m")
-    res = quantize_model(model, None, QuantConfig(bits=4, group_size=64, method="rtn"), progress=False)
+    res = quantize_model(model, None, SolverConfig(bits=4, group_size=64, method="rtn"), progress=False)
     model_q = load_quantized(save_quantized(model, tok, res, tmp_path / "q"), dtype=torch.float32)
     del model
     ids = tok("The quick brown fox", return_tensors="pt").input_ids[:, :4]

@@ -126,13 +126,15 @@ def exclude_first_block(scores):
 
 
 def choose_layers(model, model_dir: Path | None, what: str, drop: int, select: str, calib, batch_size: int,
-                  progress: bool, keep_first: bool = False) -> tuple[list[int], dict | None]:
+                  progress: bool, keep_first: bool = False, scores: dict | None = None) -> tuple[list[int], dict | None]:
     """Run the selection API; returns (layers, scores as a dict).
 
     ``keep_first``: never choose block 0 (linear replacement folds each map into the block
-    before its span).
+    before its span). ``scores``: block scores an earlier call returned (same model and
+    calibration) to select from instead of scoring again (``layercut plan`` scores once for
+    all its depth cuts); refused by the selection where they cannot serve (an angular span).
     """
-    from layercut.compress.select import compute_scores, select_blocks, select_sublayers
+    from layercut.compress.select import LayerScores, compute_scores, select_blocks, select_sublayers
 
     if select == "gate-norm":  # from the files when there are files, else from the weights in memory
         from layercut.compress.select import gate_norm_from_model, gate_norm_scores
@@ -142,7 +144,10 @@ def choose_layers(model, model_dir: Path | None, what: str, drop: int, select: s
         return select_sublayers(source, drop, "gate-norm", "attention"), {"gate_norm": scores}
     methods = [select if select != "cosine" else ("attn-cosine" if what == "attention" else "mlp-cosine")]
     span = drop if select.startswith("angular") else 1
-    scores = compute_scores(model, calib, span=span, methods=methods, batch_size=batch_size, progress=progress)
+    if scores is not None and what == "block":
+        scores = LayerScores.from_dict(scores)
+    else:
+        scores = compute_scores(model, calib, span=span, methods=methods, batch_size=batch_size, progress=progress)
     if what == "block":
         picked = select_blocks(exclude_first_block(scores) if keep_first else scores, drop, select)
     else:

@@ -26,7 +26,7 @@ class PlanConfig(StageConfig):
     min_speedup: float | None = Field(None, description="keep at most depth / X blocks (a decode-speed proxy)")
     budget_minutes: float | None = Field(None, gt=0, description="stop searching after this many minutes "
                                                                   "(at least one candidate is verified)")
-    top_k: int = Field(3, ge=1, description="candidates run for real and measured, best predicted first")
+    top_k: int = Field(2, ge=1, description="candidates run for real and measured, best predicted first")
     bits: list[int] = Field([2, 3, 4, 8], description="uniform bit widths searched")
     group_sizes: list[int] = Field([128, 64, -1], description="group sizes searched (-1: one per row); those "
                                                               "that do not divide every quantized layer's "

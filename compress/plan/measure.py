@@ -17,7 +17,6 @@ layercut's GPTQ loader).
 
 from __future__ import annotations
 
-import copy
 import time
 from pathlib import Path
 
@@ -71,15 +70,18 @@ class KLJudge:
         from layercut.compress.quant.driver import linear_weight, set_weight
         from layercut.compress.quant.gptq import rtn_quantize
 
-        model = copy.deepcopy(self.model)
+        model = self.model  # rounded in place, then the source's weights are put back
         spec = arch_for(model)
-        for _, _, _, module in target_linears(model, spec):
-            W = linear_weight(module, spec.conv1d)
-            set_weight(module, rtn_quantize(W, config[0], config[1]).dequant.to(W.dtype), spec.conv1d)
+        saved = []
         try:
+            for _, _, _, module in target_linears(model, spec):
+                W = linear_weight(module, spec.conv1d)
+                saved.append((module, W.clone()))
+                set_weight(module, rtn_quantize(W, config[0], config[1]).dequant.to(W.dtype), spec.conv1d)
             return self.kl_model(model)
         finally:
-            del model
+            for module, W in saved:
+                set_weight(module, W, spec.conv1d)
 
     def close(self) -> None:
         self.model, self.ref = None, []

@@ -13,8 +13,13 @@ How (predict cheaply, then verify):
 2. **Depth cuts** d = d_min, d_min+1, …: each is the prune stage as it is today (blocks
    chosen by block influence, each replaced by a least-squares map), written and measured:
    its KL to the source on held-apart calibration windows (:class:`.measure.KLJudge`). The
-   loop stops once a cut alone is worse than the best predicted candidate so far (deeper
-   cuts only lose more), at ``max_drop``, or at a third of the time budget.
+   blocks are scored once (the first cut) and every later cut selects from those scores
+   (block influence does not depend on how many go, so the removed sets are nested). A cut
+   is skipped when even its best candidate cannot beat the best predicted so far: its KL is
+   at least the deepest measured cut's, plus its cheapest quantization term (its removed
+   blocks, hence its candidates' bytes, are known from the scores before it runs). The loop
+   stops once a cut alone is worse than the best predicted candidate so far (deeper cuts
+   only lose more), at ``max_drop``, or at a third of the time budget.
 3. **Quantization** is predicted with round-to-nearest on the full-depth source (no data):
    KL_q(c) per uniform (bits, group size); a mixed ``--avg-bits`` budget X reads KL_q off the
    uniform frontier (log-linear in average bits between its two neighbours).
@@ -159,11 +164,34 @@ def _search(config: PlanConfig, spec: str, src: Path, layout: Layout, req: dict,
     def mixed_kl(c: Candidate) -> float:  # log-linear between the two uniform configs it mixes
         return _interp(c.avg_bits, [(layout.allocator_bits(full, p), rtn(p)) for p in c.pairs])
 
+    def quant_term(c: Candidate) -> float:  # 0 where an RTN KL it needs is not measured yet (a lower bound)
+        if c.quant == "dense":
+            return 0.0
+        pairs = [(c.bits, c.group_size)] if c.quant == "uniform" else list(c.pairs)
+        if any(p not in kl_q for p in pairs):
+            return 0.0
+        return kl_q[pairs[0]] if c.quant == "uniform" else mixed_kl(c)
+
     candidates: list[Candidate] = []
     cuts: dict[int, dict] = {}
+    skipped: dict[int, float] = {}  # cut -> the lower bound that showed it cannot beat the best predicted
+    scores: dict | None = None  # block influence, scored by the first cut and reused by every later one
+    last_kl, best = None, None
     t0 = time.perf_counter()
     for d in range(req["d_min"], req["max_drop"] + 1):
-        cut = _cut(config, spec, src, d, work, judge, progress)
+        if d and scores is not None and last_kl is not None and best is not None:
+            kept = [i for i in range(n) if i not in _removed(scores, d)]
+            terms = [quant_term(c) for c in enumerate_candidates(layout, {d: kept}, target, req["configs"],
+                                                                 mixed=config.mixed, dense=config.dense)]
+            bound = cut_bound(last_kl, terms, len(kept), n)
+            if bound >= best:
+                skipped[d] = bound
+                _say(progress, f"cut {d}: skipped (its candidates' KL is at least {bound:.4g}, best predicted "
+                               f"{best:.4g})")
+                continue
+        cut = _cut(config, spec, src, d, work, judge, progress, scores)
+        scores = scores if scores is not None else cut.get("scores")
+        last_kl = cut["kl"]
         cuts[d] = cut
         new = enumerate_candidates(layout, {d: cut["kept"]}, target, req["configs"], mixed=config.mixed,
                                    dense=config.dense)
@@ -261,6 +289,7 @@ def _search(config: PlanConfig, spec: str, src: Path, layout: Layout, req: dict,
         "kl_text": f"{judge.tokens} tokens of {config.calib}: {judge.how}",
         "rtn_kl": {f"{b}{'ch' if g == -1 else f'g{g}'}": v for (b, g), v in kl_q.items()},
         "cuts": {str(d): {"kl": c["kl"], "removed": c["removed"]} for d, c in cuts.items()},
+        "skipped_cuts": {str(d): b for d, b in skipped.items()},
         "candidates": [c.to_dict() | {"path": None} for c in ranked],
         "verified": len(verified),
         "spearman_topk": spearman(predicted, measured),
@@ -280,8 +309,30 @@ def _search(config: PlanConfig, spec: str, src: Path, layout: Layout, req: dict,
     return report
 
 
-def _cut(config: PlanConfig, spec: str, src: Path, d: int, work: Path, judge, progress: bool) -> dict:
-    """Depth cut ``d`` through the prune stage (written to ``work``), and its KL."""
+def cut_bound(last_kl: float, quant_terms: list[float], kept: int, n: int) -> float:
+    """The least predicted KL any candidate of a deeper cut can have: its depth term is at least
+    ``last_kl`` (the deepest cut measured; deeper cuts only lose more) plus its cheapest
+    quantization term scaled by the share of blocks kept. No candidate fits: infinite.
+
+    >>> cut_bound(0.5, [0.5, 0.25], 15, 30)
+    0.625
+    """
+    return last_kl + min(quant_terms) * kept / n if quant_terms else math.inf
+
+
+def _removed(scores: dict, d: int) -> list[int]:
+    """The blocks the prune stage removes for cut ``d`` (block influence, block 0 kept), from ``scores``."""
+    from layercut.compress.depth.prune import choose_layers
+
+    return choose_layers(None, None, "block", d, "block-influence", None, 1, False, keep_first=True,
+                         scores=scores)[0]
+
+
+def _cut(config: PlanConfig, spec: str, src: Path, d: int, work: Path, judge, progress: bool,
+         scores: dict | None = None) -> dict:
+    """Depth cut ``d`` through the prune stage (written to ``work``), and its KL. ``scores``: the
+    block influence of an earlier cut (the same calibration), so the stage does not score again;
+    the cut returns the scores it selected with."""
     n = judge.model.config.num_hidden_layers
     if d == 0:
         return {"kept": list(range(n)), "kl": 0.0, "removed": [], "path": src}
@@ -289,10 +340,12 @@ def _cut(config: PlanConfig, spec: str, src: Path, d: int, work: Path, judge, pr
     from layercut.compress.stages.base import RunEnv
 
     path = work / f"cut{d}"
-    rep = prune_stage.run(_prune_config(config, d), src, path, RunEnv(progress=False))
+    rep = prune_stage.run(_prune_config(config, d), src, path, RunEnv(progress=False), scores=scores)
     removed = list(rep["layers"])
     kept = [i for i in range(n) if i not in removed]
-    return {"kept": kept, "kl": judge.kl_path(path), "removed": removed, "path": path}
+    if scores is None:
+        scores = json.loads((path / "layercut_prune.json").read_text()).get("scores")
+    return {"kept": kept, "kl": judge.kl_path(path), "removed": removed, "path": path, "scores": scores}
 
 
 def _prune_config(config: PlanConfig, d: int):
@@ -303,7 +356,7 @@ def _prune_config(config: PlanConfig, d: int):
 
 
 def _quantize_config(config: PlanConfig, c: Candidate):
-    from layercut.compress.stages.quantize import QuantizeConfig
+    from layercut.compress.quant.config import QuantizeConfig
 
     common = dict(samples=config.samples, seq_len=config.seq_len, seed=config.seed, calib=config.calib)
     if c.quant == "uniform":

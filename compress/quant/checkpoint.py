@@ -4,7 +4,7 @@
 Usage::
 
     from layercut.compress.quant.checkpoint import save_quantized
-    result = quantize_model(model, calib, QuantConfig(bits=4, group_size=64))
+    result = quantize_model(model, calib, SolverConfig(bits=4, group_size=64))
     save_quantized(model, tokenizer, result, "out/q4")
 
 Layout: every quantized linear ``NAME`` is stored as ``NAME.qweight`` / ``.qzeros`` /
@@ -12,7 +12,9 @@ Layout: every quantized linear ``NAME`` is stored as ``NAME.qweight`` / ``.qzero
 :func:`layercut.compress.quant.pack.pack_gptq` packs it; every other tensor (embeddings, norms,
 an untied head) in ``dtype`` (default float16, the GPTQ convention); tied copies are not
 stored. Shards ``model-0000i-of-0000n.safetensors`` with metadata ``{"format": "pt"}``
-and ``model.safetensors.index.json`` (also for one shard), written atomically.
+and ``model.safetensors.index.json`` (also for one shard), written atomically by
+:class:`layercut.export.shards.ShardWriter` (the one shard writer; each shard laid out as safetensors'
+``save_file`` lays out a file).
 
 ``config.json`` gets a ``quantization_config`` (also written as ``quantize_config.json``)::
 
@@ -54,7 +56,7 @@ from layercut.compress.arch import arch_for, target_linears
 from layercut.compress.errors import LayercutError
 from layercut.compress.quant.result import QuantizeResult
 from layercut.export.checkpoint import atomic_dir
-from layercut.export.shards import INDEX
+from layercut.export.shards import ShardWriter
 
 # meta.quantizer: who wrote it, and whose v1 packing convention it follows. GPTQModel refuses
 # to load *asymmetric* v1 checkpoints unless a "gptqmodel:>=0.9" entry vouches that zero
@@ -238,7 +240,6 @@ def write_quantized_into(
 ) -> dict:
     """Non-atomic part of :func:`save_quantized`; returns the ``quantization_config``."""
     from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
 
     missing = [n for _, _, n, _ in target_linears(model) if n not in result.layers]
     if missing:
@@ -247,16 +248,15 @@ def write_quantized_into(
     state = quantized_state_dict(model, result, dtype)
     split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
-    n = len(split.filename_to_tensors)
-    weight_map = {}
-    for i, (_, keys) in enumerate(split.filename_to_tensors.items(), 1):
-        shard = f"model-{i:05d}-of-{n:05d}.safetensors"
-        # clone(): tied tensors (embed/lm_head) share storage, which save_file refuses.
-        save_file({k: state[k].contiguous().clone() for k in keys}, str(folder / shard), metadata={"format": "pt"})
-        weight_map.update({k: shard for k in keys})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    # Hub's grouping, each shard laid out as save_file would; model-0000i-of-0000n + index even for one shard
+    writer = ShardWriter(folder, always_index=True)
+    try:
+        for keys in split.filename_to_tensors.values():
+            writer.add_shard({k: state[k] for k in keys})
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
 
     config = copy.deepcopy(model.config)
     config.quantization_config = qc

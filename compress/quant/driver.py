@@ -2,8 +2,8 @@
 
 Run it::
 
-    from layercut.compress.quant.driver import QuantConfig, quantize_model
-    cfg = QuantConfig(bits=4, group_size=64)                    # asym, GPTQ, damp 0.01
+    from layercut.compress.quant.driver import SolverConfig, quantize_model
+    cfg = SolverConfig(bits=4, group_size=64)                    # asym, GPTQ, damp 0.01
     result = quantize_model(model, calib, cfg, bits={"model.layers.3.mlp.down_proj": 8})
     result = quantize_model(model, calib, cfg, bits={"model.layers.3.mlp.down_proj": (3, -1)})  # (bits, gs)
     result.layers["model.layers.0.self_attn.q_proj"].tensors    # packed GPTQ v1 tensors
@@ -59,7 +59,7 @@ SOLVE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass
-class QuantConfig:
+class SolverConfig:
     """How to quantize: defaults are GPTQ, asymmetric, 4 bits, group size 128, damp 0.01."""
 
     bits: int = 4
@@ -80,6 +80,8 @@ class QuantConfig:
     scale_search: str = "none"
     scale_min: float = 0.75
     scale_steps: int = 5
+    # after the codes are chosen, re-solve each row's group scales by least squares on H (scale_fit.py)
+    refit_scales: bool = False
 
     def check(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -102,9 +104,12 @@ class QuantConfig:
         if self.scale_search != "none" and self.method != "gptq":
             raise LayercutError(f"quantize: scale search {self.scale_search!r} works with method gptq, "
                                 f"not {self.method!r}")
+        if self.refit_scales and self.method != "gptq":
+            raise LayercutError(f"quantize: refit_scales works with method gptq, not {self.method!r}")
 
     def torch_solve_dtype(self) -> torch.dtype:
         return SOLVE_DTYPES[self.solve_dtype]
+
 
 
 def linear_weight(module: nn.Module, conv1d: bool) -> Tensor:
@@ -125,7 +130,7 @@ def is_quantized_model(model: nn.Module) -> bool:
 
 
 def linear_plan(
-    cfg: QuantConfig, bits: Mapping[str, int | tuple[int, int]] | None, names
+    cfg: SolverConfig, bits: Mapping[str, int | tuple[int, int]] | None, names
 ) -> dict[str, tuple[int, int]]:
     """(bits, group size) of each of ``names``: ``bits[name]`` (a width, at ``cfg.group_size``,
     or a pair), else (``cfg.bits``, ``cfg.group_size``)."""
@@ -153,7 +158,7 @@ def auto_group_size(model: nn.Module) -> int:
 
 
 def check_model(
-    model: nn.Module, cfg: QuantConfig, bits: Mapping[str, int | tuple[int, int]] | None = None
+    model: nn.Module, cfg: SolverConfig, bits: Mapping[str, int | tuple[int, int]] | None = None
 ) -> list[tuple[int, int, str, nn.Module]]:
     """Validate everything quantization needs before any work; return the target linears.
 
@@ -227,7 +232,7 @@ def solver_threads(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(n)
 
 
-def solve(W: Tensor, H: Tensor | None, bits: int, cfg: QuantConfig, overwrite_h: bool = False) -> QuantResult:
+def solve(W: Tensor, H: Tensor | None, bits: int, cfg: SolverConfig, overwrite_h: bool = False) -> QuantResult:
     """Quantize one weight W [out, in] with ``cfg.method`` (H [in, in] may be None for RTN).
 
     ``overwrite_h``: GPTQ may use a float64 H as scratch (garbage afterwards; one copy fewer)."""
@@ -241,7 +246,7 @@ def output_loss(W: Tensor, W_hat: Tensor, H: Tensor) -> float:
     return float(((D @ H.to(device=D.device, dtype=torch.float32)) * D).sum() / 2)
 
 
-def solve_group(Ws: list[Tensor], H: Tensor | list[Tensor] | None, bits: int, cfg: QuantConfig,
+def solve_group(Ws: list[Tensor], H: Tensor | list[Tensor] | None, bits: int, cfg: SolverConfig,
                 overwrite_h: bool = False) -> list[QuantResult]:
     """Quantize linears that share one input (hence one H) in a single call.
 
@@ -279,7 +284,7 @@ def solve_group(Ws: list[Tensor], H: Tensor | list[Tensor] | None, bits: int, cf
     return out
 
 
-def _solve(W: Tensor, H: Tensor | None, bits: int, cfg: QuantConfig, overwrite_h: bool = False) -> QuantResult:
+def _solve(W: Tensor, H: Tensor | None, bits: int, cfg: SolverConfig, overwrite_h: bool = False) -> QuantResult:
     if cfg.method == "rtn":
         return rtn_quantize(W, bits, cfg.group_size, cfg.sym, H=H)
     return gptq_quantize(
@@ -287,6 +292,7 @@ def _solve(W: Tensor, H: Tensor | None, bits: int, cfg: QuantConfig, overwrite_h
         static_groups=cfg.static_groups, damp=cfg.damp, block_size=cfg.block_size, group_aware=cfg.group_aware,
         overwrite_h=overwrite_h, solve_dtype=cfg.torch_solve_dtype(),
         scale_search=cfg.scale_search, scale_min=cfg.scale_min, scale_steps=cfg.scale_steps,
+        refit=cfg.refit_scales,
     )
 
 
@@ -362,7 +368,7 @@ class HessianSet:
 def quantize_model(
     model: nn.Module,
     calib: CalibSet | None,
-    cfg: QuantConfig,
+    cfg: SolverConfig,
     bits: Mapping[str, int | tuple[int, int]] | None = None,
     batch_size: int = 8,
     device: str | torch.device | None = None,
@@ -446,7 +452,7 @@ def quantize_model(
     return result
 
 
-def _rtn_blocks(model, targets, plan, cfg: QuantConfig, spec: ArchSpec, result: QuantizeResult, device,
+def _rtn_blocks(model, targets, plan, cfg: SolverConfig, spec: ArchSpec, result: QuantizeResult, device,
                 progress: bool, after_block) -> None:
     """Round-to-nearest, block by block: no forwards. A streamed model's block is read for its
     turn, quantized, handed to ``after_block`` (which writes it) and released."""

@@ -265,6 +265,7 @@ def gptq_quantize(
     scale_search: str = "none",
     scale_min: float = 0.75,
     scale_steps: int = 5,
+    refit: bool = False,
 ) -> QuantResult:
     """Quantize ``W`` [out, in] with GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training
     Quantization for Generative Pre-trained Transformers", Algorithm 1).
@@ -291,7 +292,7 @@ def gptq_quantize(
     ½ tr(ΔW (H + λI) ΔWᵀ) ≈ mean over tokens of ‖(W - Ŵ) x‖² — the layer's output error.
     Computation is float32; the Hessian's damping, Cholesky factors and inverse are in
     ``solve_dtype`` (float64 here by default; the quantize stage's default is float32, as
-    in the reference code and GPTQModel: see ``QuantConfig.solve_dtype``). Returns a
+    in the reference code and GPTQModel: see ``SolverConfig.solve_dtype``). Returns a
     ``QuantResult``.
 
     ``overwrite_h``: an ``H`` already in ``solve_dtype`` on W's device is used as scratch
@@ -306,6 +307,11 @@ def gptq_quantize(
     ``loss`` charges an error in column j once the later columns have absorbed what they can
     (the OBS cost; for a diagonal H it is H_jj + λ). "none" and a grid of only p = 1 are plain
     min-max, bit for bit. The search is one [p, out, gs] pass per group (in row slices).
+
+    ``refit``: once every code is chosen, each row's group scales are re-solved by least squares
+    on the undamped H (:func:`layercut.compress.quant.scale_fit.refit_scales`): the same codes and
+    zeros, the output error no larger; ``loss`` is recomputed for the refit scales. It keeps a
+    copy of W and of H ([out, in] + [in, in] float32) until the end.
     """
     gs = _check_args(W, bits, group_size)
     out_f, in_f = W.shape
@@ -332,6 +338,7 @@ def gptq_quantize(
     dead = H.diagonal() == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
+    fit = (W.clone(), H.to(torch.float32, copy=True)) if refit else None  # original order, dead inputs fixed
 
     def group_params(x: Tensor, cols: slice, diag: Tensor | None) -> tuple[Tensor, Tensor]:
         if grid is None:
@@ -411,7 +418,31 @@ def gptq_quantize(
         g_idx = col_group[torch.argsort(perm)]
     else:
         g_idx = col_group
-    return _finish(Q, scales, zeros, g_idx, float(loss), damp_used, bits, group_size)
+    loss = float(loss)
+    if fit is not None:
+        loss = _refit(fit[0], fit[1], Q, scales, zeros, g_idx, loss, damp_used)
+    return _finish(Q, scales, zeros, g_idx, loss, damp_used, bits, group_size)
+
+
+def _refit(W: Tensor, H: Tensor, Q: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor, loss: float,
+           damp_used: float) -> float:
+    """Refit ``scales`` in place for the codes ``Q``; return ``loss`` (½ tr(ΔW (H + λI) ΔWᵀ)) for them.
+
+    The loss changes by the undamped drop ½·gain and by λ/2 · (‖ΔW_new‖² - ‖ΔW_old‖²)."""
+    from layercut.compress.quant.scale_fit import refit_scales
+
+    new, gain = refit_scales(W, H, Q, zeros, g_idx, scales)
+    lam = damp_used * float(H.diagonal().double().mean())
+    idx = g_idx.to(torch.int64)
+    sq_old = sq_new = 0.0
+    step = max(1, SLICE_ELEMENTS // max(W.shape[1], 1))
+    for r in range(0, W.shape[0], step):
+        rows = slice(r, r + step)
+        V = Q[rows] - zeros[idx, rows].T
+        sq_old += float((W[rows] - scales[idx, rows].T * V).double().square().sum())
+        sq_new += float((W[rows] - new[idx, rows].T * V).double().square().sum())
+    scales.copy_(new)
+    return loss - gain / 2 + lam / 2 * (sq_new - sq_old)
 
 
 def _finish(

@@ -2,8 +2,8 @@
 
 Run it::
 
-    from layercut.compress.quant.driver import QuantConfig, quantize_model
-    result = quantize_model(model, calib, QuantConfig(bits=4, group_size=128), head=(8, 128))
+    from layercut.compress.quant.driver import SolverConfig, quantize_model
+    result = quantize_model(model, calib, SolverConfig(bits=4, group_size=128), head=(8, 128))
     result.layers["lm_head"].tensors          # packed like every other linear; result.head == "lm_head"
 
 or ``layercut quantize MODEL -o OUT --bits 4 --quantize-head 8g128``.
@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from layercut.compress.arch import arch_for, get_submodule
 from layercut.compress.errors import LayercutError
 from layercut.compress.lazy import lazy_of
-from layercut.compress.quant.driver import QuantConfig, check_finite, solve, solver_threads
+from layercut.compress.quant.driver import SolverConfig, check_finite, solve, solver_threads
 from layercut.compress.quant.gptq import hessian_update
 from layercut.compress.quant.pack import pack_gptq
 from layercut.compress.quant.result import SUPPORTED_BITS, QuantizedLinear, QuantizeResult
@@ -122,7 +122,7 @@ def quantize_head(
     H: Tensor | None,
     bits: int,
     group_size: int,
-    cfg: QuantConfig,
+    cfg: SolverConfig,
     result: QuantizeResult,
     device: str | torch.device | None = None,
     rows: int = HEAD_ROWS,

@@ -55,7 +55,7 @@ from layercut.compress.quant.allocate import (
     candidate_label,
     candidate_order,
 )
-from layercut.compress.quant.driver import QuantConfig, linear_weight, quantize_model, set_weight
+from layercut.compress.quant.driver import SolverConfig, linear_weight, quantize_model, set_weight
 from layercut.compress.quant.pack import dequantize_gptq
 from layercut.compress.quant.result import QuantizeResult
 
@@ -205,7 +205,7 @@ def fallback_check(
     model: nn.Module,
     calib: CalibSet | None,
     check: CalibSet,
-    cfg: QuantConfig,
+    cfg: SolverConfig,
     fp: Mapping[str, Tensor],
     mixed: QuantizeResult,
     uniform_plan: Mapping[str, Candidate],

@@ -32,7 +32,7 @@ from torch import Tensor
 from layercut.calibrate.capture import BlockRun, first_tensor, run_blocks
 from layercut.calibrate.data import CalibSet
 from layercut.compress.lazy import LazyModel, TensorIndex
-from layercut.compress.quant.driver import QuantConfig, linear_weight, quantize_model, set_weight
+from layercut.compress.quant.driver import SolverConfig, linear_weight, quantize_model, set_weight
 from layercut.compress.quant.mixed import FallbackVerdict
 from layercut.compress.quant.pack import dequantize_gptq
 from layercut.compress.quant.result import QuantizeResult
@@ -80,7 +80,7 @@ class StreamedOutputs:
             else:
                 shutil.rmtree(sub)
 
-    def fallback_check(self, calib: CalibSet | None, check: CalibSet, cfg: QuantConfig, mixed: QuantizeResult,
+    def fallback_check(self, calib: CalibSet | None, check: CalibSet, cfg: SolverConfig, mixed: QuantizeResult,
                        uniform_plan: Mapping[str, tuple[int, int]], batch_size: int = 8,
                        device: str | torch.device | None = None,
                        progress: bool = True) -> tuple[FallbackVerdict, QuantizeResult]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from torch import Tensor
 
 from layercut.compress.quant.allocate import Allocation, Candidate, Unit, allocate_bits, candidate_label
-from layercut.compress.quant.driver import QuantConfig, solve_group
+from layercut.compress.quant.driver import SolverConfig, solve_group
 from layercut.compress.quant.result import QuantizeResult
 
 
@@ -51,7 +51,7 @@ class Refiner:
     table: Sequence[Unit]  # the first table (the one ``alloc`` was solved on)
     alloc: Allocation
     cands: Sequence[Candidate]
-    cfg: QuantConfig
+    cfg: SolverConfig
     losses: dict[tuple[str, Candidate], float] = field(default_factory=dict)  # (linear, candidate) -> loss
     solves: int = 0
     probe_seconds: float = 0.0

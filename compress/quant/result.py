@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from layercut.compress.quant.driver import QuantConfig
+    from layercut.compress.quant.driver import SolverConfig
 
 SUPPORTED_BITS = (2, 3, 4, 8)  # widths the packer, the kernels and the loaders handle
 
@@ -37,7 +37,7 @@ class QuantizedLinear:
 class QuantizeResult:
     """All quantized linears of a model, in forward order, plus timings."""
 
-    config: QuantConfig
+    config: SolverConfig
     layers: dict[str, QuantizedLinear] = field(default_factory=dict)
     seconds: float = 0.0
     solve_seconds: float = 0.0  # time inside gptq_quantize / rtn_quantize

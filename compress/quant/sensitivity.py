@@ -4,9 +4,9 @@ Run it::
 
     from layercut.compress.quant.sensitivity import allocation_units, measure_sensitivity
     units = allocation_units(model, "group")                 # qkv / o / gate_up / down; or "layer"
-    table = measure_sensitivity(model, calib, units, [(3, 64), (4, -1), (8, -1)], QuantConfig())
+    table = measure_sensitivity(model, calib, units, [(3, 64), (4, -1), (8, -1)], SolverConfig())
     table.delta["model.layers.3.down"][(3, 64)]              # Δ of layer 3's down_proj at 3-bit g64
-    measure_sensitivity(model, calib, units, (2, 3, 4, 8), QuantConfig(group_size=64))  # bare bits
+    measure_sensitivity(model, calib, units, (2, 3, 4, 8), SolverConfig(group_size=64))  # bare bits
 
 A candidate c is a (bits, group size) pair (group size -1 = one group per row), or bare
 bits, which mean ``cfg.group_size`` and key the table by bits as before. A unit is only
@@ -56,7 +56,7 @@ from layercut.compress.quant.allocate import Unit, candidate_label, require_fitt
 from layercut.compress.quant.driver import (
     GROUP_LABELS,
     HessianSet,
-    QuantConfig,
+    SolverConfig,
     check_model,
     linear_weight,
     set_weight,
@@ -175,7 +175,7 @@ def measure_sensitivity(
     calib: CalibSet,
     units: Sequence[AllocUnit],
     candidates: Sequence[int] | Sequence[tuple[int, int]],
-    cfg: QuantConfig,
+    cfg: SolverConfig,
     methods: Sequence[str] = ("loss",),
     batch_size: int = 8,
     device: str | torch.device | None = None,

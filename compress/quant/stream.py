@@ -5,7 +5,7 @@ Usage::
     from layercut.compress.lazy import LazyModel
     from layercut.compress.quant.stream import quantize_streamed
     lazy = LazyModel("ckpt-dir")
-    result, qc = quantize_streamed(lazy, calib, QuantConfig(bits=4, group_size=128), "out-tmp-dir")
+    result, qc = quantize_streamed(lazy, calib, SolverConfig(bits=4, group_size=128), "out-tmp-dir")
 
 The model is a :class:`layercut.compress.lazy.LazyModel`: the capture driver reads each block from
 the checkpoint for its turn, :func:`layercut.compress.quant.driver.quantize_model` quantizes it in
@@ -33,7 +33,7 @@ from layercut.compress.arch import target_linears
 from layercut.compress.errors import LayercutError
 from layercut.compress.lazy import LazyModel
 from layercut.compress.quant.checkpoint import quantization_config
-from layercut.compress.quant.driver import QuantConfig, quantize_model
+from layercut.compress.quant.driver import SolverConfig, quantize_model
 from layercut.compress.quant.result import QuantizeResult
 from layercut.export.shards import INDEX
 
@@ -43,7 +43,7 @@ SKIP_FILES = {"config.json", INDEX, "quantize_config.json"}
 def quantize_streamed(
     lazy: LazyModel,
     calib,
-    cfg: QuantConfig,
+    cfg: SolverConfig,
     folder: str | Path,
     bits: Mapping[str, int] | None = None,
     save_dtype: torch.dtype = torch.float16,

@@ -49,7 +49,13 @@ from layercut.compress.arch import arch_for
 from layercut.compress.errors import LayercutError
 from layercut.compress.lazy import lazy_of
 from layercut.compress.quant.allocate import Candidate, Unit, candidate_label, candidate_order
-from layercut.compress.quant.driver import QuantConfig, linear_weight, quantize_model, set_weight, solve_group
+from layercut.compress.quant.driver import (
+    SolverConfig,
+    linear_weight,
+    quantize_model,
+    set_weight,
+    solve_group,
+)
 from layercut.compress.quant.pack import dequantize_gptq, pack_gptq
 from layercut.compress.quant.result import SUPPORTED_BITS, QuantizeResult
 
@@ -92,7 +98,7 @@ class Variants:
         return dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], c[0])
 
 
-def quantize_variants(model: nn.Module, calib: CalibSet, cfg: QuantConfig, units: Sequence, baseline: Candidate,
+def quantize_variants(model: nn.Module, calib: CalibSet, cfg: SolverConfig, units: Sequence, baseline: Candidate,
                       cands: Sequence[Candidate], batch_size: int = 8, device: str | torch.device | None = None,
                       progress: bool = True, after_block=None) -> tuple[QuantizeResult, Variants]:
     """Quantize ``model`` in place at the uniform ``baseline`` (sequential GPTQ) and, on the same
@@ -284,7 +290,7 @@ def check_swap_table(table: SwapTable, units: Sequence, cands: Sequence[Candidat
 
 
 def kl_swap_table(model: nn.Module, calib: CalibSet, held: CalibSet, units: Sequence, cands: Sequence[Candidate],
-                  baseline: Candidate, cfg: QuantConfig, batch_size: int = 8,
+                  baseline: Candidate, cfg: SolverConfig, batch_size: int = 8,
                   device: str | torch.device | None = None, progress: bool = True,
                   stream=None) -> tuple[SwapTable, QuantizeResult | None]:
     """Both steps for the stage: the full quantizations, then the swaps on ``held``; returns (the

@@ -26,7 +26,7 @@ STAGES = ("score", "prune", "heal", "quantize", "export", "eval")
 CONFIG_HOMES = {"score": "layercut.compress.select.config:ScoreConfig",
                 "prune": "layercut.compress.depth.config:PruneConfig",
                 "heal": "layercut.heal.config:HealConfig",
-                "quantize": "layercut.compress.stages.quantize:QuantizeConfig",
+                "quantize": "layercut.compress.quant.config:QuantizeConfig",
                 "export": "layercut.export.config:ExportConfig",
                 "eval": "layercut.compress.eval_config:EvalConfig"}
 

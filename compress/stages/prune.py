@@ -35,10 +35,12 @@ PRUNE_VERSION = 1
 
 
 def choose(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
-           progress: bool = True) -> PrunePlan:
+           progress: bool = True, scores: dict | None = None) -> PrunePlan:
     """Validate the request against ``model`` and plan the cut: pick the layers (scoring on data
     where asked) and count what remains. ``model`` may be a lazily loaded one
     (:class:`layercut.compress.lazy.LazyModel`): scoring streams it block by block.
+    ``scores``: an earlier plan's block scores (``PrunePlan.scores``, same model and
+    calibration) to select from without scoring again.
     """
     from layercut.calibrate.data import calibration_batch
     from layercut.compress.arch import arch_for, count_params
@@ -55,10 +57,10 @@ def choose(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
     calib_set = calibration_batch(tokenizer, config.text_sources(), samples=config.samples,
                                   seq_len=config.seq_len) \
         if needs_data else None
-    scores = None
+    given, scores = scores, None
     if select is not None:
         picked, scores = choose_layers(model, model_dir, config.what, count, select, calib_set, config.batch_size,
-                                       progress, keep_first=replace != "none")
+                                       progress, keep_first=replace != "none", scores=given)
         check_against_model(model, config.what, count, picked, replace)
     calibration = {"text": config.text_label(), "samples": config.samples, "seq_len": config.seq_len} \
         if calib_set is not None else None
@@ -70,12 +72,12 @@ def choose(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
 
 
 def apply(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
-          progress: bool = True) -> tuple[object, dict]:
+          progress: bool = True, scores: dict | None = None) -> tuple[object, dict]:
     """The shared core: plan the cut and transform ``model`` in place; returns (model, report)."""
     from layercut.compress.arch import count_params
     from layercut.compress.depth.prune import prune_model as transform
 
-    plan = choose(model, tokenizer, config, model_dir, progress)
+    plan = choose(model, tokenizer, config, model_dir, progress, scores)
     replace = config.replace
     extra = {"stream": config.stream, "alpha": config.alpha} if replace != "none" else {}
     fit_data = plan.calib_set if (replace != "none" or config.fuse_calibrate) else None
@@ -96,7 +98,8 @@ def report_of(config: PruneConfig, plan: PrunePlan, details: dict, layers_after:
     return report
 
 
-def _run_streamed(lazy, config: PruneConfig, model_dir: Path, output: str | Path, env: RunEnv) -> dict:
+def _run_streamed(lazy, config: PruneConfig, model_dir: Path, output: str | Path, env: RunEnv,
+                  scores: dict | None = None) -> dict:
     """Block drop / linear replacement with one block in memory: select and fit over the lazy driver,
     then copy the checkpoint tensor by tensor (kept dtype), folding the maps in on the way."""
     from layercut.compress.depth.replace import fit_linear_maps
@@ -105,7 +108,7 @@ def _run_streamed(lazy, config: PruneConfig, model_dir: Path, output: str | Path
     from layercut.export.checkpoint import atomic_dir
 
     tokenizer = load_tokenizer(model_dir, env.trust_remote_code)
-    plan = choose(lazy.model, tokenizer, config, model_dir, env.progress)
+    plan = choose(lazy.model, tokenizer, config, model_dir, env.progress, scores)
     details, edits = {}, None
     if config.replace != "none":
         fits = fit_linear_maps(lazy.model, plan.layers, plan.calib_set, method=config.replace,
@@ -126,10 +129,12 @@ def prune_model(model, tokenizer, config: PruneConfig, progress: bool = True):
 
 @on_device
 def run(config: PruneConfig, source: str | Path, output: str | Path, env: RunEnv | None = None,
-        plot: str | Path | None = None) -> dict:
+        plot: str | Path | None = None, scores: dict | None = None) -> dict:
     """Load ``source``, prune it, write the checkpoint to ``output``; returns the report.
 
     ``plot``: also write a PNG of the selection scores (selected layers in red).
+    ``scores``: block scores of an earlier run on the same source and calibration (the
+    report's ``scores``, see :func:`choose`): selection reuses them instead of scoring.
     """
     from layercut.compress.depth.sublayers import sublayer_readme
     from layercut.compress.models import load_model, resolve_model
@@ -147,11 +152,11 @@ def run(config: PruneConfig, source: str | Path, output: str | Path, env: RunEnv
         return _dry_run(config, model_dir, source, output, env, start)
     lazy = load_streamed(model_dir, config.dtype, env, config.whole_model or not streamable, "prune")
     if lazy is not None:
-        report = _run_streamed(lazy, config, model_dir, output, env)
+        report = _run_streamed(lazy, config, model_dir, output, env, scores)
     else:
         model, tokenizer = load_model(model_dir, dtype=torch_dtype(config.dtype, model_dir),
                                       trust_remote_code=env.trust_remote_code)
-        model, report = apply(model, tokenizer, config, model_dir, env.progress)
+        model, report = apply(model, tokenizer, config, model_dir, env.progress, scores)
         files = {"layercut_prune.json": json.dumps(strip_volatile(report), indent=2, default=str)}
         if config.what != "block":
             files["README.md"] = sublayer_readme(model.config, str(source))
