@@ -175,6 +175,11 @@ ROWS: dict[str, dict] = {
                                              "solve_dtype": "float32", "scale_search": "hessian",
                                              "scale_min": 0.5, "scale_steps": 10, "refit_scales": bool(r),
                                              "seeds": True} for b in (4, 3) for r in ("", "-refit")},
+    # the two ends of each group's range shrunk by independent factors of the default grid (25 candidates):
+    # the quantize default since it won on brown-val (3 seeds, both widths)
+    **{f"layercut-{b}-asym-hessian-sep": {"kind": "ours", "method": "gptq", "bits": b, "sym": False,
+                                          "solve_dtype": "float32", "scale_search": "hessian",
+                                          "scale_bounds": "separate", "seeds": True} for b in (4, 3)},
     # mixed bits at uniform 4-bit g64's bytes, CLI defaults (loss sensitivity, no refine, the default
     # candidates, the hessian scale search): can an allocation beat uniform 4-bit where the demo must?
     "mixed-4.3125-hessian": {"kind": "ours", "method": "gptq", "avg_bits": 4 + (16 + 4) / GS, "unit": "group",
@@ -345,6 +350,7 @@ def child_ours(args, work: Path, name: str, spec: dict, seed: int) -> dict:
         refine=spec.get("refine", True) if spec.get("avg_bits") else False,  # uniform bits: refine is an error
         candidates=spec.get("candidates"), **({"fallback_check": spec["fallback_check"]} if "fallback_check" in spec else {}),
         scale_search=spec.get("scale_search", "none"),  # explicit: rows without it are the no-search ones
+        scale_bounds=spec.get("scale_bounds", "joint"),  # explicit: rows without it predate the separate default
         **{k: spec[k] for k in ("scale_min", "scale_steps", "refit_scales") if k in spec},
         **{k: spec[k] for k in ("sensitivity_samples",) if k in spec},  # kl-swap rows
         samples=args.samples, seq_len=args.seq_len, seed=seed, sensitivity=sens, progress=False, overwrite=True,
@@ -355,6 +361,7 @@ def child_ours(args, work: Path, name: str, spec: dict, seed: int) -> dict:
            "damp": args.damp if spec["method"] == "gptq" else None, "compute_dtype": "float32",
            "solve_dtype": spec.get("solve_dtype", "float32") if spec["method"] == "gptq" else None,
            "scale_search": report.get("scale_search"), "scale_grid": report.get("scale_grid"),
+           "scale_bounds": report.get("scale_bounds"),
            "solve_s": report["solve_seconds"],
            "phases_s": {DRIVER: report["quantize_seconds"],
                         "solves": report["solve_seconds"], "load, calibration draw, write": wall - report["quantize_seconds"]}}
@@ -667,7 +674,15 @@ def scale_search_findings(data: dict) -> list[str]:
         best = {n: statistics.fmean(v.values()) for n in (f"gptqmodel-{bits}-asym", f"gptqmodel-{bits}-asym-mse",
                                                            f"gptqmodel-{bits}-asym-defaults")
                 if (v := kl_by_seed(n))}
-        mine = {n: statistics.fmean(v.values()) for n in (f"layercut-{bits}-asym-hessian", f"layercut-{bits}-asym-obs")
+        sep, joint = kl_by_seed(f"layercut-{bits}-asym-hessian-sep"), kl_by_seed(f"layercut-{bits}-asym-hessian")
+        seeds = sorted(set(sep) & set(joint))
+        if seeds:
+            out.append(f"{bits}-bit scale search with separate bounds (each end of the range shrunk by its own factor, "
+                       f"25 candidates; the default since it won on brown-val), seeds {','.join(map(str, seeds))}: KL "
+                       f"{spread([sep[s] for s in seeds], '.4f')} vs joint bounds {spread([joint[s] for s in seeds], '.4f')}; "
+                       f"per seed {', '.join(f'{100 * (sep[s] / joint[s] - 1):+.1f}%' for s in seeds)}")
+        mine = {n: statistics.fmean(v.values()) for n in (f"layercut-{bits}-asym-hessian-sep", f"layercut-{bits}-asym-hessian",
+                                                           f"layercut-{bits}-asym-obs")
                 if (v := kl_by_seed(n))}
         if best and mine:
             gname = min(best, key=best.get)

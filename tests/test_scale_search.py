@@ -10,7 +10,7 @@ import torch
 
 from layercut.compress.errors import LayercutError
 from layercut.compress.quant.driver import SolverConfig, quantize_model
-from layercut.compress.quant.gptq import gptq_quantize, layer_loss, shrink_grid
+from layercut.compress.quant.gptq import gptq_quantize, layer_loss, shrink_grid, shrink_pairs
 from tests.test_gptq import _layer
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
@@ -208,3 +208,63 @@ def test_recipe_key_reaches_the_solver(tmp_path):
                     "      scale_search: obs\n      scale_min: 0.8\n")
     stage = load_recipe(path).stages[0]
     assert (stage.core().scale_search, stage.core().scale_min) == ("obs", 0.8)
+
+
+def test_separate_bounds_pairs():
+    lo, hi = shrink_pairs([1.0, 0.9, 0.8], "separate", sym=False)
+    assert (lo[0], hi[0]) == (1.0, 1.0) and len(lo) == 9
+    assert sorted(zip(lo, hi)) == sorted((a, b) for a in (1.0, 0.9, 0.8) for b in (1.0, 0.9, 0.8))
+    assert shrink_pairs([1.0, 0.9], "separate", sym=True) == ([1.0, 0.9], [1.0, 0.9])  # one end only
+    assert shrink_pairs([1.0, 0.9], "joint", sym=False) == ([1.0, 0.9], [1.0, 0.9])
+    with pytest.raises(LayercutError, match="bounds"):
+        shrink_pairs([1.0], "both", sym=False)
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+def test_separate_bounds_never_lose_to_joint_per_row_and_group(bits):
+    """The joint candidates (p, p) are among the separate ones, so per row and group the
+    separate search's weighted rounding error is never larger, and on a skewed layer (outliers
+    on one side) it is smaller somewhere. Red if the pairs skipped the diagonal, the argmin
+    read the wrong axis, or the ends were swapped."""
+    W, _, H = _outlier_layer(3)
+    W = torch.where(W > 0, W * 2, W)  # a longer positive tail
+    d = H.diagonal().float()
+    kw = dict(static_groups=True, act_order=True, damp=0.0, scale_search="hessian")
+    # per group and row, the error of rounding the original weight with the chosen parameters
+    # (static groups fix them from W before any update): take RTN errors from each result's params
+    errs = {}
+    for bounds in ("joint", "separate"):
+        res = gptq_quantize(W, H, bits, GS, scale_bounds=bounds, **kw)
+        sc = res.scales[res.g_idx.long()].T  # [out, in]
+        zr = res.zeros[res.g_idx.long()].T
+        rtn = sc * (torch.clamp(torch.round(W / sc) + zr, 0, 2**bits - 1) - zr)
+        errs[bounds] = _group_errors(W, type("R", (), {"dequant": rtn, "scales": res.scales, "g_idx": res.g_idx}), d)
+    assert (errs["separate"] <= errs["joint"] * (1 + 1e-6) + 1e-12).all()
+    assert (errs["separate"] < errs["joint"] * 0.999).any()
+    assert errs["separate"].sum() < errs["joint"].sum()
+
+
+def test_separate_bounds_of_p1_only_and_symmetric_are_joint_bit_for_bit():
+    W, _, H = _outlier_layer()
+    for kw in (dict(sym=False, scale_min=1.0), dict(sym=True)):
+        a = gptq_quantize(W, H, 3, GS, act_order=True, static_groups=True, scale_search="hessian", **kw)
+        b = gptq_quantize(W, H, 3, GS, act_order=True, static_groups=True, scale_search="hessian",
+                          scale_bounds="separate", **kw)
+        for f in ("q", "scales", "zeros", "dequant"):
+            assert torch.equal(getattr(a, f), getattr(b, f)), (kw, f)
+
+
+def test_separate_bounds_options_reach_the_solver_and_are_checked():
+    from pydantic import ValidationError
+
+    from layercut.compress.quant.config import QuantizeConfig
+
+    assert QuantizeConfig(bits=4, scale_bounds="separate").core().scale_bounds == "separate"
+    assert QuantizeConfig(bits=4).core().scale_bounds == "separate"  # the stage default
+    assert SolverConfig().scale_bounds == "joint"  # the core keeps the plain search
+    with pytest.raises(ValidationError):
+        QuantizeConfig(bits=4, scale_bounds="apart")
+    with pytest.raises(LayercutError, match="scale bounds"):
+        SolverConfig(scale_bounds="apart").check()
+    with pytest.raises(LayercutError, match="scale_bounds"):
+        gptq_quantize(*_layer()[::2], 4, GS, scale_search="hessian", scale_bounds="apart")

@@ -126,6 +126,10 @@ class QuantizeConfig(StageConfig, TextOptions):
     scale_min: float = Field(0.75, gt=0, le=1, description="smallest shrink factor the scale search tries")
     scale_steps: int = Field(5, ge=0, le=100, description="steps from 1 down to --scale-min (5: 1, 0.95, ..., "
                                                            "0.75)")
+    scale_bounds: Literal["joint", "separate"] = Field(
+        "separate", description="asymmetric scale search: shrink each end of the range by its own factor of the "
+                                "grid ((steps+1)^2 candidates; the default, chosen on brown-val) or both ends by "
+                                "one factor (joint)")
     refit_scales: bool = Field(False, description="GPTQ only: once the codes are chosen, re-solve each row's "
                                                   "group scales by least squares on the layer's input Hessian "
                                                   "(same bytes; the layer's output error cannot grow)")
@@ -221,5 +225,5 @@ class QuantizeConfig(StageConfig, TextOptions):
                             method=self.method, damp=self.damp, sequential=self.sequential,
                             solve_dtype=self.solve_dtype,
                             scale_search=self.scale_search if self.method == "gptq" else "none",
-                            scale_min=self.scale_min, scale_steps=self.scale_steps,
+                            scale_min=self.scale_min, scale_steps=self.scale_steps, scale_bounds=self.scale_bounds,
                             refit_scales=self.refit_scales and self.method == "gptq")

@@ -43,6 +43,7 @@ from layercut.compress.arch import ArchSpec, arch_for, target_linears
 from layercut.compress.errors import LayercutError
 from layercut.compress.lazy import trim_heap
 from layercut.compress.quant.gptq import (
+    SCALE_BOUNDS,
     SCALE_SEARCH,
     QuantResult,
     gptq_quantize,
@@ -80,6 +81,7 @@ class SolverConfig:
     scale_search: str = "none"
     scale_min: float = 0.75
     scale_steps: int = 5
+    scale_bounds: str = "joint"  # "joint": one factor for both ends of the range; "separate": one each
     # after the codes are chosen, re-solve each row's group scales by least squares on H (scale_fit.py)
     refit_scales: bool = False
 
@@ -98,6 +100,8 @@ class SolverConfig:
             raise LayercutError(f"quantize: solve dtype must be one of {tuple(SOLVE_DTYPES)}, got {self.solve_dtype!r}")
         if self.scale_search not in SCALE_SEARCH:
             raise LayercutError(f"quantize: scale search must be one of {SCALE_SEARCH}, got {self.scale_search!r}")
+        if self.scale_bounds not in SCALE_BOUNDS:
+            raise LayercutError(f"quantize: scale bounds must be one of {SCALE_BOUNDS}, got {self.scale_bounds!r}")
         if not (0 < self.scale_min <= 1) or self.scale_steps < 0:
             raise LayercutError(f"quantize: scale_min must lie in (0, 1] and scale_steps be >= 0, got "
                                 f"{self.scale_min}, {self.scale_steps}")
@@ -292,7 +296,7 @@ def _solve(W: Tensor, H: Tensor | None, bits: int, cfg: SolverConfig, overwrite_
         static_groups=cfg.static_groups, damp=cfg.damp, block_size=cfg.block_size, group_aware=cfg.group_aware,
         overwrite_h=overwrite_h, solve_dtype=cfg.torch_solve_dtype(),
         scale_search=cfg.scale_search, scale_min=cfg.scale_min, scale_steps=cfg.scale_steps,
-        refit=cfg.refit_scales,
+        refit=cfg.refit_scales, scale_bounds=cfg.scale_bounds,
     )
 
 

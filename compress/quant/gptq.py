@@ -134,23 +134,42 @@ def shrink_grid(scale_min: float, scale_steps: int) -> list[float]:
     return [1.0 - i * (1.0 - scale_min) / scale_steps for i in range(scale_steps + 1)]
 
 
+SCALE_BOUNDS = ("joint", "separate")
+
+
+def shrink_pairs(grid: list[float], bounds: str, sym: bool) -> tuple[list[float], list[float]]:
+    """(p_lo, p_hi) factors of a scale search's candidates: ``joint`` shrinks both ends of the
+    range by the same p of ``grid``; ``separate`` (asymmetric only: a symmetric range has one
+    end) tries every pair of ``grid`` × ``grid`` for the negative and positive end. (1, 1) comes
+    first either way, then larger factors before smaller ones."""
+    if bounds not in SCALE_BOUNDS:
+        raise LayercutError(f"scale search: bounds must be one of {SCALE_BOUNDS}, got {bounds!r}")
+    if bounds == "joint" or sym:
+        return list(grid), list(grid)
+    pairs = sorted(((lo, hi) for lo in grid for hi in grid), key=lambda t: (-(t[0] + t[1]), -t[1]))
+    return [lo for lo, _ in pairs], [hi for _, hi in pairs]
+
+
 def _searched_params(
-    x: Tensor, bits: int, sym: bool, grid: list[float], weight: Tensor | None
+    x: Tensor, bits: int, sym: bool, grid: list[float], weight: Tensor | None, bounds: str = "joint"
 ) -> tuple[Tensor, Tensor]:
-    """Scale and zero per row of ``x`` [out, k] with the range shrunk by the p of ``grid`` that
-    minimises the row's round-to-nearest error Σ_j weight_j (x_j - q(x_j))² (``weight`` [k]:
-    the Hessian diagonal of the group's columns, i.e. the inputs' mean energy; None: plain
-    squared error, as GPTQModel's ``mse=2``). All p of the grid in one [p, out, k] pass; ties
-    keep the earlier (larger) p, so a grid of [1.0] is ``_minmax_params`` exactly."""
+    """Scale and zero per row of ``x`` [out, k] with the range shrunk by the candidate of
+    ``shrink_pairs(grid, bounds, sym)`` that minimises the row's round-to-nearest error
+    Σ_j weight_j (x_j - q(x_j))² (``weight`` [k]: the Hessian diagonal of the group's columns,
+    i.e. the inputs' mean energy; None: plain squared error, as GPTQModel's ``mse=2``). All
+    candidates in one [P, out, k] pass (in row slices); ties keep the earlier one, so a grid of
+    [1.0] is ``_minmax_params`` exactly."""
     xmin, xmax = _row_range(x, sym)  # [out]
-    p = torch.tensor(grid, dtype=x.dtype, device=x.device)[:, None]  # [P, 1]
-    scale, zero = _range_params(p * xmin, p * xmax, bits, sym)  # [P, out]
-    if len(grid) == 1:
+    lo, hi = shrink_pairs(grid, bounds, sym)
+    p_lo = torch.tensor(lo, dtype=x.dtype, device=x.device)[:, None]  # [P, 1]
+    p_hi = torch.tensor(hi, dtype=x.dtype, device=x.device)[:, None]
+    scale, zero = _range_params(p_lo * xmin, p_hi * xmax, bits, sym)  # [P, out]
+    if len(lo) == 1:
         return scale[0], zero[0]
     maxq = 2**bits - 1
     out_f, k = x.shape
     total = torch.empty_like(scale)  # [P, out]
-    step = max(1, SLICE_ELEMENTS // (len(grid) * k))  # rows per [P, rows, k] temporary
+    step = max(1, SLICE_ELEMENTS // (len(lo) * k))  # rows per [P, rows, k] temporary
     for r in range(0, out_f, step):
         rows = slice(r, r + step)
         s3, z3 = scale[:, rows, None], zero[:, rows, None]  # [P, rows, 1]
@@ -266,6 +285,7 @@ def gptq_quantize(
     scale_min: float = 0.75,
     scale_steps: int = 5,
     refit: bool = False,
+    scale_bounds: str = "joint",
 ) -> QuantResult:
     """Quantize ``W`` [out, in] with GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training
     Quantization for Generative Pre-trained Transformers", Algorithm 1).
@@ -307,6 +327,8 @@ def gptq_quantize(
     ``loss`` charges an error in column j once the later columns have absorbed what they can
     (the OBS cost; for a diagonal H it is H_jj + λ). "none" and a grid of only p = 1 are plain
     min-max, bit for bit. The search is one [p, out, gs] pass per group (in row slices).
+    ``scale_bounds="separate"`` (asymmetric only) shrinks the range's two ends by independent
+    factors of the grid (P² candidates, ``shrink_pairs``) instead of one.
 
     ``refit``: once every code is chosen, each row's group scales are re-solved by least squares
     on the undamped H (:func:`layercut.compress.quant.scale_fit.refit_scales`): the same codes and
@@ -328,6 +350,8 @@ def gptq_quantize(
     if scale_search not in SCALE_SEARCH:
         raise LayercutError(f"gptq: scale_search must be one of {SCALE_SEARCH}, got {scale_search!r}")
     grid = shrink_grid(scale_min, scale_steps) if scale_search != "none" else None
+    if scale_bounds not in SCALE_BOUNDS:
+        raise LayercutError(f"gptq: scale_bounds must be one of {SCALE_BOUNDS}, got {scale_bounds!r}")
 
     maxq = 2**bits - 1
     n_groups = in_f // gs
@@ -343,7 +367,7 @@ def gptq_quantize(
     def group_params(x: Tensor, cols: slice, diag: Tensor | None) -> tuple[Tensor, Tensor]:
         if grid is None:
             return _minmax_params(x, bits, sym)
-        return _searched_params(x, bits, sym, grid, None if diag is None else diag[cols])
+        return _searched_params(x, bits, sym, grid, None if diag is None else diag[cols], scale_bounds)
 
     perm = group_order = None
     if act_order:

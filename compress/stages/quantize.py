@@ -88,7 +88,8 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
                     "static_groups": config.static_groups, "group_aware": config.group_aware,
                     "sequential": config.sequential, "damp": config.damp, "solve_dtype": config.solve_dtype,
                     "scale_search": cfg.scale_search,
-                    **({"scale_grid": [cfg.scale_min, cfg.scale_steps]} if cfg.scale_search != "none" else {}),
+                    **({"scale_grid": [cfg.scale_min, cfg.scale_steps], "scale_bounds": cfg.scale_bounds}
+                       if cfg.scale_search != "none" else {}),
                     "refit_scales": cfg.refit_scales,
                     "calib": config.text_label(),
                     "samples": config.samples, "seq_len": config.seq_len}
