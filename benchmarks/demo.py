@@ -14,7 +14,10 @@ safetensors bytes against the source in bf16 (2 bytes per parameter of the sourc
 counts them: the tied embedding once). Perplexity and KL: the run's own eval stage (``bundled:brown-test``),
 then, untimed, ``--long-tokens`` test tokens at ctx 512, so a short window cannot flatter them.
 
-Choosing: runs each of ``CANDIDATES`` (the demo recipe with those knobs set) at one thread with
+``plain-4bit`` is the baseline the demo must beat at no more bytes: its quantize stage alone.
+
+Choosing (the former demo's prune + LoRA heal + mixed-bit settings; the current demo's scale-tuning
+settings were chosen by ``benchmarks/heal_scales.py --text bundled:brown-val``): runs each of ``CANDIDATES`` (the demo recipe with those knobs set) at one thread with
 its eval stage on ``bundled:brown-val``, reusing the finished leading stages of earlier candidates
 (copied and resumed); picks the lowest validation perplexity among those within the limits below
 and says whether the pick is the demo recipe.
@@ -37,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-RECIPES = {"demo": "recipes/smollm2-demo.yaml", "aggressive": "recipes/smollm2-aggressive.yaml"}
+RECIPES = {"demo": "recipes/smollm2-demo.yaml", "plain-4bit": "recipes/smollm2-4bit.yaml",
+           "prune-heal": "recipes/smollm2-prune-heal.yaml", "aggressive": "recipes/smollm2-aggressive.yaml"}
 VAL_TEXT = "bundled:brown-val"
 SIZE_LIMIT = 0.45  # weight bytes / bf16 bytes of the source
 PPL_LIMIT = 1.25  # perplexity / the original's
@@ -147,7 +151,7 @@ def table(results: dict) -> str:
     for name, r in results.items():
         long = r.get("long_eval") or {}
         lp = f"{long['ppl']:.2f} ({long['original_ppl']:.2f}) | {long['ppl_ratio']:.2f}×" if long else "– | –"
-        rows.append(f"| `{RECIPES.get(name, name)}` | {r['blocks']} | {r['bits_per_weight']:.2f} "
+        rows.append(f"| `{RECIPES.get(name, name)}` | {r['blocks'] or 'all'} | {r['bits_per_weight']:.2f} "
                     f"| {r['bytes'] / 1e6:.1f} ({100 * r['size_vs_bf16']:.1f}%) "
                     f"| {r['ppl']:.2f} ({r['original_ppl']:.2f}) | {r['ppl_ratio']:.2f}× | {r['kl']:.3f} | {lp} "
                     f"| {int(r['wall_s'] // 60)} min {r['wall_s'] % 60:.0f} s | {r['cpu_s']:.0f} "
@@ -204,7 +208,7 @@ def candidate_recipe(name: str) -> dict:
 
     from layercut.compress.recipe import Recipe
 
-    data = yaml.safe_load((ROOT / RECIPES["demo"]).read_text())
+    data = yaml.safe_load((ROOT / RECIPES["prune-heal"]).read_text())  # the former demo's knobs
     for item in data["stages"]:
         (stage, opts), = item.items()
         opts = dict(opts or {}, **CANDIDATES[name].get(stage, {}))
@@ -247,7 +251,7 @@ def main_choose(args: argparse.Namespace) -> None:
 
     work = Path(args.work or "/tmp/layercut-demo-choice")
     work.mkdir(parents=True, exist_ok=True)
-    demo = Recipe.from_yaml(ROOT / RECIPES["demo"]).to_dict()
+    demo = Recipe.from_yaml(ROOT / RECIPES["prune-heal"]).to_dict()
     done = {str(p.parent): yaml.safe_load(p.read_text())["stages"] for p in sorted(work.glob("*/recipe.yaml"))}
     rows = []
     for name in CANDIDATES:
@@ -287,7 +291,7 @@ def main_choose(args: argparse.Namespace) -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores", "candidates": rows,
         "pick": pick and pick["name"], "pick_is_demo_recipe": bool(pick and pick["is_demo_recipe"])})
     print(f"pick: {pick and pick['name']} ({'is' if pick and pick['is_demo_recipe'] else 'is NOT'} "
-          f"{RECIPES['demo']}); wrote {out}")
+          f"{RECIPES['prune-heal']}); wrote {out}")
 
 
 def main() -> None:

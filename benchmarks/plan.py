@@ -17,8 +17,9 @@ For each target (a percentage of the source's bf16 bytes, 2 bytes per parameter)
 - **depth-only**: the prune stage (block influence + lstsq) removing the fewest blocks whose
   bf16 export fits, not healed (the issue's baseline heals it: not done here, for time);
 
-each evaluated on ``bundled:brown-test`` (4,096 tokens at ctx 512, KL to the source), one
-calibration seed (seed 0). Everything runs in this process at ``LAYERCUT_BENCH_THREADS``
+each evaluated on ``bundled:brown-test`` (4,096 tokens at ctx 512, KL to the source), per
+calibration seed (``--seeds 0,1,2``: the plan's and the uniform run's seed; the depth cuts'
+calibration does not take one). Everything runs in this process at ``LAYERCUT_BENCH_THREADS``
 (default 1) intra-op threads.
 """
 
@@ -56,7 +57,7 @@ def _eval(path: Path, source: Path) -> dict:
             "reference_ppl": rep["baseline"]["ppl"]}
 
 
-def measure(target: str, work: Path) -> dict:
+def measure(target: str, work: Path, seed: int = 0) -> dict:
     from layercut.compress.models import resolve_model, weight_bytes
     from layercut.compress.plan.config import PlanConfig
     from layercut.compress.plan.search import plan
@@ -68,10 +69,10 @@ def measure(target: str, work: Path) -> dict:
     from layercut.compress.stages.prune import PruneConfig
 
     src = resolve_model(MODEL)
-    cfg = PlanConfig(size=target)
+    cfg = PlanConfig(size=target, seed=seed)
     layout = Layout.of(src)
     n, tbytes = layout.num_blocks, cfg.target_bytes(layout.bf16_bytes)
-    row: dict = {"target": target, "target_bytes": tbytes, "bf16_bytes": layout.bf16_bytes}
+    row: dict = {"target": target, "seed": seed, "target_bytes": tbytes, "bf16_bytes": layout.bf16_bytes}
 
     t0 = time.perf_counter()
     rep = plan(cfg, MODEL, work / "plan", progress=True)
@@ -119,17 +120,17 @@ def _spearman_calibrated(plan: dict) -> float | None:
 
 def table(data: dict) -> str:
     """One row per target; the GPTQ bar is that row's uniform run (else the stored 4g64 run)."""
-    lines = ["| target (of bf16) | plan winner | plan MB | plan test KL | uniform GPTQ | uniform MB | uniform test KL "
+    lines = ["| target (of bf16) | seed | plan winner | plan MB | plan test KL | uniform GPTQ | uniform MB | uniform test KL "
              "| depth-only kept | depth-only test KL | plan s | uniform GPTQ s | ratio | Spearman top-k raw / calibrated |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     nan = float("nan")
-    for key in sorted(k for k in data if k.startswith("target_")):
+    for key in sorted((k for k in data if k.startswith("target_")), key=lambda k: (data[k]["target"], k)):
         r = data[key]
         p, u, d = r["plan"], r["uniform"], r["depth_only"]
         bar = u.get("seconds") or data.get("gptq_bar_s")
         raw, cal = p["spearman_topk"], _spearman_calibrated(p)
         lines.append(
-            f"| {r['target']} | {p['winner']} | {p['bytes'] / 1e6:.1f} | {p['kl']:.4f} | {u.get('config') or 'none fits'} | "
+            f"| {r['target']} | {r.get('seed', 0)} | {p['winner']} | {p['bytes'] / 1e6:.1f} | {p['kl']:.4f} | {u.get('config') or 'none fits'} | "
             f"{u['bytes'] / 1e6 if 'bytes' in u else nan:.1f} | {u.get('kl', nan):.4f} | "
             f"{d.get('kept_blocks') or '-'} | {d.get('kl', nan):.4f} | {r['plan_s']:.0f} | "
             f"{bar if bar else nan:.0f} | {r['plan_s'] / bar if bar else nan:.1f}x | "
@@ -140,6 +141,8 @@ def table(data: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--targets", default="30%,40%,55%")
+    ap.add_argument("--seeds", default="0", help="calibration seeds, comma list (each a row: target_T, "
+                                                   "target_T_seedS for S > 0)")
     ap.add_argument("--from-json", type=Path)
     args = ap.parse_args()
     if args.from_json:
@@ -151,21 +154,22 @@ def main() -> None:
 
     torch.set_num_threads(THREADS)
     for target in [t.strip() for t in args.targets.split(",") if t.strip()]:
-        work = Path(tempfile.mkdtemp(prefix="plan-bench-"))
-        try:
-            load = os.getloadavg()
-            row = measure(target, work)
-            row.update(threads=THREADS, load_before=[round(x, 2) for x in load],
-                       load_after=[round(x, 2) for x in os.getloadavg()], seeds=[0])
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        update = {f"target_{target.rstrip('%')}": row,
-                  "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), {THREADS} thread(s)"}
-        if row["uniform"].get("config") == "4g64":
-            update["gptq_bar_s"] = row["uniform"]["seconds"]
-            update["gptq_bar"] = "wall s of `layercut quantize --bits 4 --group-size 64` (64 x 128 calibration)"
-        data = write_merged(OUT, update)
-        print(table(data))
+        for seed in [int(x) for x in args.seeds.split(",")]:
+            work = Path(tempfile.mkdtemp(prefix="plan-bench-"))
+            try:
+                load = os.getloadavg()
+                row = measure(target, work, seed)
+                row.update(threads=THREADS, load_before=[round(x, 2) for x in load],
+                           load_after=[round(x, 2) for x in os.getloadavg()], seeds=[seed])
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            key = f"target_{target.rstrip('%')}" + (f"_seed{seed}" if seed else "")
+            update = {key: row, "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), {THREADS} thread(s)"}
+            if row["uniform"].get("config") == "4g64" and not seed:
+                update["gptq_bar_s"] = row["uniform"]["seconds"]
+                update["gptq_bar"] = "wall s of `layercut quantize --bits 4 --group-size 64` (64 x 128 calibration)"
+            data = write_merged(OUT, update)
+            print(table(data), flush=True)
 
 
 if __name__ == "__main__":

@@ -194,8 +194,12 @@ def run_blocks(
     device: str | torch.device | None = None,
     progress: bool = True,
     desc: str = "blocks",
+    last: int | None = None,
 ) -> list[torch.Tensor]:
     """Run ``callbacks`` on every decoder block in order; return the raw last-block output h_L.
+
+    ``last``: stop after that block (none: run them all); what is returned is then its output,
+    not h_L. For callbacks that need nothing past it (fitting maps over spans that end there).
 
     ``device``: where each block runs (moved there for its turn and back). Defaults to
     the model's device. Activations stay on that device.
@@ -219,7 +223,8 @@ def run_blocks(
         lazy.release_outside()
     masks = [m.bool().to(device) for _, m in calib.split(batch_size)]
     hidden = [h.to(device) for h in hidden]
-    bar = tqdm(range(len(layers)), desc=desc, disable=not progress, unit="block")
+    stop = len(layers) if last is None else min(last + 1, len(layers))
+    bar = tqdm(range(stop), desc=desc, disable=not progress, unit="block")
     for index in bar:
         block = lazy.block(index) if lazy is not None else layers[index]
         if device != home:

@@ -132,7 +132,8 @@ class Recipe(StageConfig):
         if self.target is None and not self.stages:
             raise ValueError("stages: the recipe has no stages (give stages, or a target: {size: 40%})")
         names = [s.stage for s in self.stages]
-        check_stage_order(names)
+        check_stage_order([SCALE_HEAL if s.stage == "heal" and getattr(s, "method", "lora") == "scales" else n
+                           for s, n in zip(self.stages, names)])
         for i, s in enumerate(self.stages):
             if s.stage == "export" and s.dequantize and "quantize" not in names[:i]:
                 raise ValueError(f"stages[{i}].export: dequantize needs a quantize stage before it")
@@ -176,12 +177,16 @@ def _unknown_stage(name: Any) -> str:
         f" (stages: {', '.join(STAGE_TYPES)})"
 
 
+SCALE_HEAL = "heal:scales"  # a heal stage with method scales, in check_stage_order's names
+
+
 def check_stage_order(names: list[str]) -> None:
     """Refuse orders that cannot be right; raise ValueError naming the offending stages.
 
     score, prune and heal work on dense weights and may alternate (prune, heal, prune,
     heal); heal needs something to heal; quantize comes after all of them, once; only
-    eval may follow export; eval may go anywhere.
+    eval may follow export; eval may go anywhere. A heal with method scales (``SCALE_HEAL``)
+    tunes a GPTQ checkpoint: it needs a quantize stage before it.
     """
     hints = {
         "prune": "prune dense weights first, then quantize",
@@ -191,6 +196,14 @@ def check_stage_order(names: list[str]) -> None:
     }
     quantized = exported = None
     for i, name in enumerate(names):
+        if name == SCALE_HEAL:  # tunes a GPTQ checkpoint: after quantize, before export
+            if quantized is None:
+                raise ValueError(f"stage order: 'heal' with method scales (stages[{i}]) tunes GPTQ scales: put it "
+                                 "after a quantize stage")
+            if exported is not None:
+                raise ValueError(f"stage order: 'heal' (stages[{i}]) after export (stages[{exported}]); only eval "
+                                 "may follow export")
+            continue
         if exported is not None and name != "eval":
             raise ValueError(f"stage order: '{name}' (stages[{i}]) after export (stages[{exported}]); "
                              "only eval may follow export")

@@ -27,6 +27,9 @@ def _stage_line(r: dict) -> str | None:
         if rep.get("loss_start") is not None and rep.get("loss_end") is not None:
             k = rep.get("loss_window", 1)
             loss = f", loss {rep['loss_start']:.4g} → {rep['loss_end']:.4g} (mean of the first / last {k} steps)"
+        if rep.get("targets") == ["scales"]:
+            return (f"- **heal**: the GPTQ group scales tuned by distillation from the source model, "
+                    f"{rep.get('steps', '?')} steps{loss}; codes, zeros and bytes as quantized")
         return f"- **heal**: LoRA distillation from the source model, {rep.get('steps', '?')} steps{loss}, merged into dense weights"
     if stage == "quantize":
         return f"- **quantize**: {rep.get('description') or 'GPTQ,'} {rep.get('avg_bits', float('nan')):.2f} bits per weight on average (scales and zeros included)"

@@ -56,11 +56,13 @@ class HealConfig(StageConfig, TextOptions):
 
     model_config = StageConfig.model_config | {"frozen": True, "validate_assignment": False,
                                                "populate_by_name": True}
-    help: ClassVar[str] = "LoRA distillation from the original model, merged into dense weights"
+    help: ClassVar[str] = ("distillation from the original model: LoRA merged into dense weights, or a GPTQ "
+                           "checkpoint's scales tuned in place (--method scales)")
     text_option: ClassVar[str] = "data"
     examples: ClassVar[tuple[str, ...]] = (
         "layercut heal cut8 --teacher bundled:smollm2-135m -o healed --steps 300 --rank 16",
         "layercut heal cut8 --teacher bundled:smollm2-135m -o healed --teacher-topk 64 --no-gradient-checkpointing",
+        "layercut heal q4 --method scales --teacher bundled:smollm2-135m -o q4-tuned --steps 60",
     )
 
     stage: Literal["heal"] = "heal"
@@ -77,6 +79,10 @@ class HealConfig(StageConfig, TextOptions):
                                     json_schema_extra={"metavar": "N"})
     samples: int | None = Field(None, ge=1, description="distinct training sequences (none: steps × batch size, "
                                                         "each seen once)", json_schema_extra={"metavar": "N"})
+    method: Literal["lora", "scales"] = Field(
+        "lora", description="lora: LoRA adapters on the linears, merged into dense weights; scales: a GPTQ "
+                            "checkpoint's group scales are trained in place (codes, zeros and bytes unchanged; "
+                            "rank, alpha, dropout and targets do not apply)")
     steps: int = Field(200, ge=1, description="optimizer steps")
     rank: int = Field(16, ge=1, description="LoRA rank")
     alpha: float | None = Field(None, gt=0, description="LoRA alpha (none: 2 × rank)", json_schema_extra={"metavar": "X"})

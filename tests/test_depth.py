@@ -307,6 +307,25 @@ def test_lstsq_fit_equals_direct_solution_on_real_tokens(calib):
     torch.testing.assert_close(fits[0].t.double(), ref, atol=2e-3, rtol=2e-3)
 
 
+def test_map_fitting_stops_after_the_last_span_with_the_same_maps(calib, monkeypatch):
+    """The fitting pass runs blocks 0..3 for spans ending at block 3 (not all 6), and the maps
+    equal a full pass's: red if it runs every block, or if stopping early changes a fit."""
+    from layercut.compress.depth import replace
+    from layercut.compress.depth.replace import SpanFitter, plan_spans
+
+    model = build_tiny_model("llama")
+    seen = []
+    real = replace.run_blocks
+    monkeypatch.setattr(replace, "run_blocks", lambda m, c, cbs, **k: real(
+        m, c, [*cbs, lambda r: seen.append(r.index)], **k))
+    fits = fit_linear_maps(model, [1, 3], calib, alpha=0.0, batch_size=3, progress=False)
+    assert seen == [0, 1, 2, 3]
+    full = SpanFitter(plan_spans([1, 3], 6), alpha=0.0, total_tokens=int(calib.attention_mask.sum()))
+    real(model, calib, [full], batch_size=3, progress=False)
+    for a, b in zip(fits, full.results()):
+        assert torch.equal(a.t, b.t)
+
+
 def test_cosine_replace_and_sequential_stream(calib):
     model = build_tiny_model("llama")
     for target in ("output", "residual"):

@@ -35,6 +35,23 @@ def test_enumeration_keeps_only_what_fits(layout):
     assert full < cut2 and (8, -1) in cut2  # two blocks fewer: more configs fit
     assert any(c.quant == "mixed" and c.pairs[0][0] < c.pairs[1][0] for c in cands if c.drop == 0)
     assert all(c.predicted_speedup == n / c.kept_blocks for c in cands)
+    # dominated configs (fewer bits in groups no finer than a fitting one's) are not candidates
+    assert {(2, 64), (3, 64), (2, -1), (3, -1), (4, -1)}.isdisjoint(full | cut2) and (8, -1) in cut2
+
+
+def test_dominated_configs_are_left_out_only_when_the_dominating_one_fits(layout):
+    from layercut.compress.plan.space import dominates
+
+    n = layout.num_blocks
+    configs = uniform_configs(layout, [2, 3, 4], [64, -1])
+    full = list(range(n))
+    sizes = {c: layout.quantized_bytes(full, c) for c in configs}
+    for target in sorted(set(sizes.values())):
+        got = {(c.bits, c.group_size) for c in enumerate_candidates(layout, {0: full}, target, configs, mixed=False,
+                                                                     dense=False)}
+        fitting = {c for c in configs if sizes[c] <= target}
+        assert got == {c for c in fitting if not any(dominates(o, c) for o in fitting)} and got
+    assert dominates((4, 64), (3, -1)) and not dominates((4, -1), (3, 64)) and not dominates((3, 64), (3, 64))
 
 
 def test_predicted_bytes_equal_written_bytes(tiny_model_dir, layout, tmp_path):
@@ -203,3 +220,41 @@ def test_rtn_prediction_leaves_the_source_weights_unchanged(tiny_model_dir):
     assert first > 0 and judge.kl_model(judge.model) == pytest.approx(0.0, abs=1e-6)
     assert all(torch.equal(before[k], v) for k, v in judge.model.state_dict().items())
     assert judge.rtn_kl((2, -1)) == first
+
+
+def test_first_cut_is_verified_before_deeper_cuts(tiny_model_dir, tmp_path, monkeypatch):
+    """The first cut's best predicted candidate runs for real before any deeper cut (so the depth
+    search works with the RTN -> GPTQ scale learnt from it): red if verification waits for the
+    end of the depth search."""
+    from layercut.compress.plan import search
+
+    events = []
+    real_cut, real_realize = search._cut, search._realize
+    monkeypatch.setattr(search, "_cut", lambda c, spec, src, d, *a, **k: events.append(("cut", d))
+                        or real_cut(c, spec, src, d, *a, **k))
+    monkeypatch.setattr(search, "_realize", lambda c, cand, *a, **k: events.append(("verify", cand.drop))
+                        or real_realize(c, cand, *a, **k))
+    report = search.plan(PlanConfig(size="45%", top_k=2, samples=8, prune_samples=8, seq_len=32, kl_samples=2,
+                                    max_drop=2), str(tiny_model_dir("llama")), tmp_path / "p", progress=False)
+    assert events[:2] == [("cut", 0), ("verify", 0)] and ("cut", 1) in events
+    assert sum(kind == "verify" for kind, _ in events) == report["verified"] == 2
+    first = next(c for c in report["candidates"] if c["verified"])
+    assert first["drop"] == 0 and first["predicted_kl"] == min(
+        c["predicted_kl"] for c in report["candidates"] if c["drop"] == 0)
+
+
+def test_cuts_where_nothing_fits_are_not_run(tiny_model_dir, tmp_path, monkeypatch, layout):
+    """A target only 3 removed blocks reach: cut 1 runs (it scores the blocks), cut 2 is known
+    from the scores to have no fitting candidate and is not run: red if every cut is run."""
+    from layercut.compress.plan import search
+    from layercut.compress.plan.space import smallest_bytes
+
+    events = []
+    real_cut = search._cut
+    monkeypatch.setattr(search, "_cut", lambda c, spec, src, d, *a, **k: events.append(d)
+                        or real_cut(c, spec, src, d, *a, **k))
+    target = smallest_bytes(layout, 3, uniform_configs(layout, [2, 3, 4, 8], [128, 64, -1]))
+    report = search.plan(PlanConfig(size=f"{target}B", top_k=1, samples=8, prune_samples=8, seq_len=32, kl_samples=2,
+                                    max_drop=3), str(tiny_model_dir("llama")), tmp_path / "p", progress=False)
+    assert events == [0, 1, 3] and report["skipped_cuts"] == {"2": None}
+    assert report["winner"]["drop"] == 3 and report["winner"]["measured_bytes"] <= target

@@ -242,14 +242,22 @@ def test_bundled_recipes_validate():
     assert recipes
     for path in recipes:
         recipe = load_recipe(path)
-        assert recipe.version == 1 and recipe.stages
+        assert recipe.version == 1 and (recipe.stages or recipe.target)
+    fast = load_recipe(recipes[0].with_name("smollm2-fast.yaml"))
+    assert not fast.stages and fast.target.min_speedup > 1  # the speed-target example: depth must pay
     demo = load_recipe(recipes[0].with_name("smollm2-demo.yaml"))
-    assert [s.stage for s in demo.stages] == ["prune", "heal", "quantize", "export", "eval"]
-    assert demo.model == "bundled:smollm2-135m" and demo.stages[0].replace == "lstsq"
-    # a real cut of at least 2 blocks, off the bundled model's own Q4_1 grid (4-bit g32)
-    assert demo.stages[0].drop >= 2 and demo.stages[2].group_size != 32
+    assert [s.stage for s in demo.stages] == ["quantize", "heal", "export", "eval"]
+    assert demo.model == "bundled:smollm2-135m" and demo.stages[1].method == "scales"
+    # off the bundled model's own Q4_1 grid (4-bit g32); its baseline is the same quantize stage alone
+    assert demo.stages[0].group_size != 32
+    plain = load_recipe(recipes[0].with_name("smollm2-4bit.yaml"))
+    assert [s.stage for s in plain.stages] == ["quantize", "export", "eval"] and plain.stages[0] == demo.stages[0]
+    assert plain.stages[-1] == demo.stages[-1]
+    former = load_recipe(recipes[0].with_name("smollm2-prune-heal.yaml"))
+    assert [s.stage for s in former.stages] == ["prune", "heal", "quantize", "export", "eval"]
+    assert former.stages[0].replace == "lstsq" and former.stages[0].drop >= 2 and former.stages[2].group_size != 32
     aggressive = load_recipe(recipes[0].with_name("smollm2-aggressive.yaml"))
-    assert [s.stage for s in aggressive.stages] == [s.stage for s in demo.stages]
+    assert [s.stage for s in aggressive.stages] == [s.stage for s in former.stages]
     assert aggressive.stages[0].drop == "25%" and "aggressive" in aggressive.name
 
 

@@ -231,7 +231,9 @@ def fit_linear_maps(
     spans = plan_spans(layers, len(spec.layers_of(model)))
     fitter = SpanFitter(spans, method, alpha, stream, max_rows, int(calib.attention_mask.sum()), cosine_steps,
                         cosine_lr, cosine_target, seed)
-    run_blocks(model, calib, [fitter], batch_size=batch_size, progress=progress, desc=f"replace:{method}")
+    # blocks past the last span's end feed no fit: the pass stops there
+    run_blocks(model, calib, [fitter], batch_size=batch_size, progress=progress, desc=f"replace:{method}",
+               last=max(last for _, last, _ in spans))
     return fitter.results()
 
 

@@ -14,25 +14,28 @@ How (predict cheaply, then verify):
    chosen by block influence, each replaced by a least-squares map), written and measured:
    its KL to the source on held-apart calibration windows (:class:`.measure.KLJudge`). The
    blocks are scored once (the first cut) and every later cut selects from those scores
-   (block influence does not depend on how many go, so the removed sets are nested). A cut
-   is skipped when even its best candidate cannot beat the best predicted so far: its KL is
-   at least the deepest measured cut's, plus its cheapest quantization term (its removed
-   blocks, hence its candidates' bytes, are known from the scores before it runs). The loop
-   stops once a cut alone is worse than the best predicted candidate so far (deeper cuts
-   only lose more), at ``max_drop``, or at a third of the time budget.
+   (block influence does not depend on how many go, so the removed sets are nested). The
+   first cut's best predicted candidate is verified (step 5) before any deeper cut, so the
+   depth search works with calibrated predictions and a measured best. A cut none of whose
+   candidates fits is not run (its blocks are known from the scores). A cut is skipped when
+   even its best candidate cannot beat the best so far: its KL is at least the deepest
+   measured cut's, plus its cheapest (calibrated) quantization term (its removed blocks, hence
+   its candidates' bytes, are known from the scores before it runs). The loop stops once a cut
+   alone is worse than the best so far (deeper cuts only lose more), at ``max_drop``, or at a
+   third of the time budget.
 3. **Quantization** is predicted with round-to-nearest on the full-depth source (no data):
    KL_q(c) per uniform (bits, group size); a mixed ``--avg-bits`` budget X reads KL_q off the
    uniform frontier (log-linear in average bits between its two neighbours).
-4. **Composition**: KL(d, q) ≈ KL(d) + KL_q(q)·kept/depth (additive; the quantization term
-   scaled by the share of blocks left). How good that is: ``plan.json`` has predicted and
-   measured KL of every verified candidate and their Spearman.
-5. **Verify** the ``top_k`` best predicted, one at a time: after each, the RTN term's scale is
-   re-learnt (the median over the verified of (measured − KL(d)) / (KL_q·kept/depth), i.e.
-   GPTQ's KL per RTN KL) and the rest re-ranked by that calibrated prediction. Quantize
-   (GPTQ, the stage's defaults with the plan's calibration) or export (bf16) for real,
-   measure bytes and KL; the best measured
-   that fits wins, is exported with a model card (``OUT/model``), and its resolved recipe is
-   written so ``layercut run OUT/recipe.yaml`` rebuilds it.
+4. **Composition**: KL(d, q) ≈ KL(d) + s·KL_q(q)·kept/depth (additive; the quantization term
+   scaled by the share of blocks left, and by s, GPTQ's KL per RTN KL, 1 until a candidate is
+   verified). How good that is: ``plan.json`` has predicted and measured KL of every verified
+   candidate and their Spearman.
+5. **Verify** ``top_k`` candidates, one at a time (the first during the depth search, above):
+   after each, s is re-learnt (the median over the verified of (measured − KL(d)) /
+   (KL_q·kept/depth)) and the rest re-ranked by that calibrated prediction. Quantize (GPTQ,
+   the stage's defaults with the plan's calibration) or export (bf16) for real, measure bytes
+   and KL; the best measured that fits wins, is exported with a model card (``OUT/model``),
+   and its resolved recipe is written so ``layercut run OUT/recipe.yaml`` rebuilds it.
 """
 
 from __future__ import annotations
@@ -173,20 +176,52 @@ def _search(config: PlanConfig, spec: str, src: Path, layout: Layout, req: dict,
         return kl_q[pairs[0]] if c.quant == "uniform" else mixed_kl(c)
 
     candidates: list[Candidate] = []
+    verified: list[Candidate] = []
     cuts: dict[int, dict] = {}
-    skipped: dict[int, float] = {}  # cut -> the lower bound that showed it cannot beat the best predicted
+    skipped: dict[int, float | None] = {}  # cut -> the bound that showed it cannot beat the best (None: nothing fits)
     scores: dict | None = None  # block influence, scored by the first cut and reused by every later one
     last_kl, best = None, None
+    scale = 1.0  # GPTQ's KL / RTN's, learnt from the verified candidates (starts at 1: plain RTN)
+    timings["verify_s"] = 0.0
+
+    def calibrate(c: Candidate) -> float:  # the prediction with the RTN term rescaled by what was learnt
+        c.calibrated_kl = c.kl_depth + scale * c.kl_quant * c.kept_blocks / n
+        return c.calibrated_kl
+
+    def verify(c: Candidate) -> float:  # run it for real; returns the re-learnt RTN -> GPTQ scale
+        from layercut.compress.models import weight_bytes
+
+        t = time.perf_counter()
+        c.path = _realize(config, c, cuts[c.drop], src, work / f"cand{len(verified)}", progress)
+        c.measured_bytes = weight_bytes(c.path)
+        c.measured_kl = judge.kl_path(c.path)
+        c.verified = True
+        verified.append(c)
+        timings["verify_s"] += time.perf_counter() - t
+        _say(progress, f"verified {c.label}: predicted KL {c.predicted_kl:.4g} (calibrated {c.calibrated_kl:.4g}), "
+                       f"measured {c.measured_kl:.4g}, {_mb(c.measured_bytes)}")
+        ratios = sorted(max(v.measured_kl - v.kl_depth, 0.0) / (v.kl_quant * v.kept_blocks / n)
+                        for v in verified if v.quant != "dense" and v.kl_quant > 0)
+        return ratios[len(ratios) // 2] if ratios else scale
+
+    def best_known() -> float | None:  # measured where verified, else the calibrated prediction
+        return min((c.measured_kl if c.verified else calibrate(c) for c in candidates), default=None)
+
     t0 = time.perf_counter()
     for d in range(req["d_min"], req["max_drop"] + 1):
-        if d and scores is not None and last_kl is not None and best is not None:
+        if d and scores is not None:  # the cut's blocks, hence its candidates' bytes, are known: look first
             kept = [i for i in range(n) if i not in _removed(scores, d)]
-            terms = [quant_term(c) for c in enumerate_candidates(layout, {d: kept}, target, req["configs"],
-                                                                 mixed=config.mixed, dense=config.dense)]
-            bound = cut_bound(last_kl, terms, len(kept), n)
-            if bound >= best:
+            ahead = enumerate_candidates(layout, {d: kept}, target, req["configs"], mixed=config.mixed,
+                                         dense=config.dense)
+            if not ahead:
+                skipped[d] = None
+                _say(progress, f"cut {d}: skipped (no candidate fits)")
+                continue
+            bound = math.inf if last_kl is None or best is None else cut_bound(
+                last_kl, [scale * quant_term(c) for c in ahead], len(kept), n)
+            if best is not None and bound >= best:
                 skipped[d] = bound
-                _say(progress, f"cut {d}: skipped (its candidates' KL is at least {bound:.4g}, best predicted "
+                _say(progress, f"cut {d}: skipped (its candidates' KL is at least {bound:.4g}, best so far "
                                f"{best:.4g})")
                 continue
         cut = _cut(config, spec, src, d, work, judge, progress, scores)
@@ -201,45 +236,31 @@ def _search(config: PlanConfig, spec: str, src: Path, layout: Layout, req: dict,
             c.kl_quant = 0.0 if c.quant == "dense" else rtn((c.bits, c.group_size)) if c.quant == "uniform" \
                 else mixed_kl(c)
             c.predicted_kl = c.kl_depth + c.kl_quant * share
+            calibrate(c)
         candidates += new
-        best = min((c.predicted_kl for c in candidates), default=None)
+        if new and not verified:
+            # verify the first cut's best predicted candidate before going deeper: RTN's KL is several
+            # times GPTQ's, and the learnt scale keeps the depth search from chasing that overestimate
+            scale = verify(min(new, key=lambda c: c.predicted_kl))
+        best = best_known()
         _say(progress, f"cut {d}: KL {cut['kl']:.4g}, {len(new)} candidates fit"
-                       + (f", best predicted so far {best:.4g}" if best is not None else ""))
+                       + (f", best so far {best:.4g}" if best is not None else ""))
         if best is not None and cut["kl"] >= best:
             break  # deeper cuts alone already lose more than the best candidate
         if time.perf_counter() - start > budget_s / 3 and best is not None:
             _say(progress, "a third of the time budget is spent: no deeper cuts")
             break
-    timings["predict_depth_s"] = time.perf_counter() - t0 - timings["predict_quant_s"]
+    timings["predict_depth_s"] = time.perf_counter() - t0 - timings["predict_quant_s"] - timings["verify_s"]
     if not candidates:
         raise LayercutError(f"plan: no candidate fits {_mb(target)} within {req['max_drop']} removed blocks")
     ranked = sorted(candidates, key=lambda c: c.predicted_kl)
-    t0 = time.perf_counter()
-    verified: list[Candidate] = []
-    scale = 1.0  # GPTQ's KL / RTN's, learnt from the verified candidates (starts at 1: plain RTN)
-    pool = list(ranked)
+    pool = [c for c in ranked if not c.verified]
     while pool and len(verified) < config.top_k:
         if verified and time.perf_counter() - start > budget_s:
             _say(progress, "time budget spent: stopping verification")
             break
-        for c in pool:
-            c.calibrated_kl = c.kl_depth + scale * c.kl_quant * c.kept_blocks / n
-        pool.sort(key=lambda c: c.calibrated_kl)
-        c = pool.pop(0)
-        c.path = _realize(config, c, cuts[c.drop], src, work / f"cand{len(verified)}", progress)
-        from layercut.compress.models import weight_bytes
-
-        c.measured_bytes = weight_bytes(c.path)
-        c.measured_kl = judge.kl_path(c.path)
-        c.verified = True
-        verified.append(c)
-        _say(progress, f"verified {c.label}: predicted KL {c.predicted_kl:.4g} (calibrated {c.calibrated_kl:.4g}), "
-                       f"measured {c.measured_kl:.4g}, {_mb(c.measured_bytes)}")
-        ratios = sorted(max(v.measured_kl - v.kl_depth, 0.0) / (v.kl_quant * v.kept_blocks / n)
-                        for v in verified if v.quant != "dense" and v.kl_quant > 0)
-        if ratios:
-            scale = ratios[len(ratios) // 2]
-    timings["verify_s"] = time.perf_counter() - t0
+        pool.sort(key=calibrate)
+        scale = verify(pool.pop(0))
     fitting = [c for c in verified if c.measured_bytes <= target]
     if not fitting:
         raise LayercutError(f"plan: no verified candidate fits {_mb(target)} (measured "

@@ -280,7 +280,9 @@ def enumerate_candidates(layout: Layout, kept_by_drop: Mapping[int, Sequence[int
                          configs: Sequence[Config], mixed: bool = True, dense: bool = True) -> list[Candidate]:
     """Every candidate over the given depth cuts whose bytes fit ``target``.
 
-    Per cut: each uniform config that fits; the dense bf16 cut if it fits; and a mixed
+    Per cut: each uniform config that fits and that no other fitting config dominates (at least
+    as many bits in groups at least as fine: it cannot be expected to do worse, so the dominated
+    one is neither predicted nor verified); the dense bf16 cut if it fits; and a mixed
     ``--avg-bits`` candidate filling the bytes left, over the two uniform configs around it on
     the cut's size/bits frontier, when it would spend more than the best fitting uniform one.
     """
@@ -291,6 +293,8 @@ def enumerate_candidates(layout: Layout, kept_by_drop: Mapping[int, Sequence[int
         sizes = {c: layout.quantized_bytes(kept, c) for c in configs}
         fitting = [c for c in configs if sizes[c] <= target]
         for c in fitting:
+            if any(dominates(o, c) for o in fitting):
+                continue
             out.append(Candidate(drop, len(kept), "uniform", bits=c[0], group_size=c[1], bytes=sizes[c],
                                  predicted_speedup=speed))
         if dense:
@@ -311,6 +315,19 @@ def enumerate_candidates(layout: Layout, kept_by_drop: Mapping[int, Sequence[int
                                  bytes_exact=False, predicted_speedup=speed,
                                  notes=["bytes: the budget (an upper bound); exact once allocated"]))
     return out
+
+
+def dominates(a: Config, b: Config) -> bool:
+    """``a`` has at least ``b``'s bits in groups at least as fine (-1, one group per row, is the
+    coarsest), and is not ``b``.
+
+    >>> dominates((4, 64), (3, -1)), dominates((4, -1), (3, 64)), dominates((3, 64), (3, 64))
+    (True, False, False)
+    """
+    def fine(g: int) -> float:
+        return math.inf if g == -1 else g
+
+    return a != b and a[0] >= b[0] and fine(a[1]) <= fine(b[1])
 
 
 def smallest_bytes(layout: Layout, max_drop: int, configs: Sequence[Config]) -> int:

@@ -1,4 +1,6 @@
-"""The heal stage: LoRA distillation from the original model, merged into dense weights.
+"""The heal stage: distillation from the original model. ``--method lora`` (the default) trains
+LoRA adapters and merges them into dense weights; ``--method scales`` trains a GPTQ checkpoint's
+group scales in place (``layercut.heal.scales``), so its codes, zeros and bytes stay.
 
 Run it::
 
@@ -74,10 +76,16 @@ def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv 
     if config.loss != "lm" and config.teacher is None:
         raise LayercutError(f"--loss {config.loss} needs a teacher (--teacher ORIGINAL)")
     state = default_state_dir(out)
+    if config.method == "scales" and (config.resume or config.checkpoint_every):
+        raise LayercutError("heal --method scales: --checkpoint-every/--resume are not built for scale tuning "
+                            "(a run restarts from its input)")
     if config.resume and not state.is_dir():
         raise LayercutError(f"--resume: no heal checkpoint in {state}")
     trust = env.trust_remote_code
     student_path = resolve_model(source)
+    if config.method == "scales" and "quantization_config" not in json.loads((student_path / "config.json").read_text()):
+        raise LayercutError(f"heal --method scales tunes a GPTQ checkpoint's scales, and {source} is not one: "
+                            "quantize it first (layercut quantize), or heal it with --method lora")
     tokenizer = load_tokenizer(student_path, trust)
     teacher_path = env.resolve(config.teacher, "teacher")
     if teacher_path is not None:
@@ -92,8 +100,14 @@ def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv 
         teacher = distill_target(teacher, data, config, env.progress)  # a top-k cache: the model is freed
         gc.collect()
     student, _ = load_model(student_path, dtype=_train_dtype(config.dtype, student_path), trust_remote_code=trust)
-    result = heal_model(student, teacher, tokenizer, config, out_dir=out, progress=env.progress, data=data,
-                        overwrite=env.overwrite)
+    if config.method == "scales":
+        from layercut.heal.scales import tune_scales
+
+        result = tune_scales(student, teacher, tokenizer, config, student_path, out_dir=out, progress=env.progress,
+                             data=data, overwrite=env.overwrite)
+    else:
+        result = heal_model(student, teacher, tokenizer, config, out_dir=out, progress=env.progress, data=data,
+                            overwrite=env.overwrite)
     for note in result.notes:
         log.warning("note: %s", note)
     info_file = out / "heal.json"

@@ -1,0 +1,130 @@
+"""Scale tuning (``layercut heal --method scales``) against plain GPTQ at the same bytes.
+
+Run::
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal_scales.py --text bundled:brown-val \\
+        --seeds 0 --configs 60x4@1e-3,60x4@3e-3                    # the choice, on validation
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal_scales.py --seeds 0,1,2   # test: the chosen config
+    .venv/bin/python benchmarks/heal_scales.py --from-json benchmarks/results/heal_scales.json
+
+Per calibration seed: ``layercut quantize bundled:smollm2-135m --bits B --group-size 64`` (64 x 128
+calibration tokens, the demo's), then for each config ``STEPSxBATCH@LR`` ``layercut heal Q --method
+scales`` (128-token windows of bundled:brown-calib past every calibration draw, the teacher's top-64,
+the heal seed = the calibration seed), and ``layercut eval`` of both on ``--text`` (4,096 tokens, ctx
+512, KL to the original). Each command is one child process; the JSON is written by this script
+(``benchmarks/results/heal_scales[-brown-val].json``) and a table printed. Bytes are the
+safetensors files', equal by construction (the tuned checkpoint differs in its scales only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "bundled:smollm2-135m"
+DEFAULT_CONFIGS = "60x4@1e-3"
+
+
+def _cli(args: list[str]) -> tuple[dict, float]:
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "layercut.cli", "-q", *args, "--json"], capture_output=True,
+                          text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if proc.returncode != 0:
+        raise SystemExit(f"layercut {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1]), time.perf_counter() - t
+
+
+def _eval(path: Path, text: str) -> dict:
+    rep, _ = _cli(["eval", str(path), "--reference", MODEL, "--text", text, "--max-tokens", "4096", "--ctx", "512"])
+    return {"kl": rep["kl"], "ppl": rep["ppl"], "bytes": rep["bytes"], "reference_ppl": rep["reference_ppl"]}
+
+
+def parse_config(c: str) -> tuple[int, int, float]:
+    steps, rest = c.split("x")
+    batch, lr = rest.split("@")
+    return int(steps), int(batch), float(lr)
+
+
+def run(args) -> dict:
+    out = Path(args.json_out)
+    data = json.loads(out.read_text()) if out.is_file() else {"setup": {}, "runs": {}}
+    data["setup"] = {"model": MODEL, "text": args.text, "quantize": "per row: gptq-B = --bits B, mixed-X = --avg-bits X (CLI mixed defaults)", "group_size": 64, "calib": "64 x 128",
+                     "eval": "4096 tokens, ctx 512", "heal_seq_len": 128, "teacher_topk": 64,
+                     "threads": os.environ.get("OMP_NUM_THREADS", "CLI default")}
+    with tempfile.TemporaryDirectory(prefix="heal-scales-") as tmp:
+        work = Path(tmp)
+        quant = ["--avg-bits", str(args.avg_bits)] if args.avg_bits else ["--bits", str(args.bits)]
+        base = f"mixed-{args.avg_bits:g}" if args.avg_bits else f"gptq-{args.bits}"
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            q = work / f"q{args.bits}-s{seed}"
+            qrep, qs = _cli(["quantize", MODEL, "-o", str(q), *quant, "--group-size", "64",
+                             "--samples", "64", "--seq-len", "128", "--seed", str(seed)])
+            plain = _eval(q, args.text) | {"seconds": round(qs, 1)}
+            data["runs"][f"{base}/seed{seed}"] = plain
+            print(f"seed {seed}: plain {base} KL {plain['kl']:.4f}, {plain['bytes'] / 1e6:.1f} MB", flush=True)
+            for c in args.configs.split(","):
+                steps, batch, lr = parse_config(c)
+                t = work / f"t-{seed}-{c}"
+                hrep, hs = _cli(["heal", str(q), "--method", "scales", "--teacher", MODEL, "-o", str(t),
+                                 "--steps", str(steps), "--batch-size", str(batch), "--seq-len", "128",
+                                 "--lr", str(lr), "--seed", str(seed)])
+                row = _eval(t, args.text) | {"seconds": round(hs, 1), "loss_start": hrep.get("loss_start"),
+                                             "loss_end": hrep.get("loss_end")}
+                data["runs"][f"{base}+scales-{c}/seed{seed}"] = row
+                print(f"  {c}: KL {row['kl']:.4f} ({100 * (row['kl'] / plain['kl'] - 1):+.1f}%), "
+                      f"{row['bytes'] / 1e6:.1f} MB, heal {hs:.0f} s", flush=True)
+                tmp_json = out.with_suffix(".tmp")
+                tmp_json.write_text(json.dumps(data, indent=1) + "\n")
+                tmp_json.replace(out)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def table(data: dict) -> str:
+    groups: dict[str, dict[int, dict]] = {}
+    for key, row in data["runs"].items():
+        name, seed = key.rsplit("/seed", 1)
+        groups.setdefault(name, {})[int(seed)] = row
+    lines = [f"text {data['setup'].get('text')}; KL to the original, mean (min-max) over seeds", "",
+             "| checkpoint | seeds | MB | KL | Δ log-ppl vs plain (paired) | heal s |", "|---|---|---:|---:|---:|---:|"]
+    for name, rows in groups.items():
+        seeds = sorted(rows)
+        kls = [rows[s]["kl"] for s in seeds]
+        plain = groups.get(name.split("+")[0], {})
+        dl = [math.log(rows[s]["ppl"]) - math.log(plain[s]["ppl"]) for s in seeds if s in plain]
+        kl = f"{statistics.fmean(kls):.4f} ({min(kls):.4f}–{max(kls):.4f})"
+        lines.append(f"| {name} | {','.join(map(str, seeds))} | {rows[seeds[0]]['bytes'] / 1e6:.1f} | {kl} | "
+                     f"{statistics.fmean(dl):+.4f} | {statistics.fmean(rows[s]['seconds'] for s in seeds):.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--text", default="bundled:brown-test")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--avg-bits", type=float, help="quantize with --avg-bits X (the CLI's mixed defaults; group "
+                                                    "size 64 for its bare widths) instead of --bits")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma list of STEPSxBATCH@LR (default %(default)s)")
+    ap.add_argument("--json-out")
+    ap.add_argument("--from-json")
+    args = ap.parse_args()
+    if args.from_json:
+        print(table(json.loads(Path(args.from_json).read_text())))
+        return
+    suffix = "" if args.text == "bundled:brown-test" else "-" + args.text.split(":")[-1]
+    args.json_out = args.json_out or str(ROOT / "benchmarks" / "results" / f"heal_scales{suffix}.json")
+    print(table(run(args)))
+
+
+if __name__ == "__main__":
+    main()
