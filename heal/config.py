@@ -133,6 +133,9 @@ class HealConfig(StageConfig, TextOptions):
             raise ValueError("teacher_topk needs a distillation loss (kd or kd+lm), not lm")
         if not self.targets.strip():
             raise ValueError("targets is empty")
+        if self.method == "scales" and (self.resume or self.checkpoint_every):
+            raise ValueError("method scales: --checkpoint-every/--resume are not built for scale tuning (a run "
+                             "restarts from its input)")
         return self
 
     @classmethod

@@ -147,9 +147,6 @@ def tune_scales(student: nn.Module, teacher, tokenizer, cfg: HealConfig, source:
     from layercut.heal.data import HealDataset, heal_data
     from layercut.heal.train import _teacher_and_cache, _train
 
-    if cfg.checkpoint_every or cfg.resume:
-        raise LayercutError("heal --method scales: --checkpoint-every/--resume are not built for scale tuning "
-                            "(a run restarts from its input)")
     out = check_output_dir(out_dir, overwrite) if out_dir is not None else None
     if data is None:
         data = heal_data(tokenizer, cfg)

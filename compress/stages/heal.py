@@ -76,9 +76,6 @@ def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv 
     if config.loss != "lm" and config.teacher is None:
         raise LayercutError(f"--loss {config.loss} needs a teacher (--teacher ORIGINAL)")
     state = default_state_dir(out)
-    if config.method == "scales" and (config.resume or config.checkpoint_every):
-        raise LayercutError("heal --method scales: --checkpoint-every/--resume are not built for scale tuning "
-                            "(a run restarts from its input)")
     if config.resume and not state.is_dir():
         raise LayercutError(f"--resume: no heal checkpoint in {state}")
     trust = env.trust_remote_code
