@@ -57,6 +57,17 @@ def to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
+def _rows(value: Any, n: int, rows: torch.Tensor) -> Any:
+    """``value`` with every tensor whose first dimension is ``n`` (the batch) indexed by ``rows``."""
+    if isinstance(value, torch.Tensor):
+        return value[rows] if value.dim() and value.shape[0] == n else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows(v, n, rows) for v in value)
+    if isinstance(value, dict):
+        return {k: _rows(v, n, rows) for k, v in value.items()}
+    return value
+
+
 class _Recorder(nn.Module):
     """Stands in for a decoder block during input capture: records, returns input unchanged."""
 
@@ -90,9 +101,24 @@ class BlockRun:
     def is_last(self) -> bool:
         return self.index == self.num_blocks - 1
 
-    def _call(self, i: int) -> torch.Tensor:
+    def call(self, i: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output on micro-batch i, or on its sequences ``rows`` (an index tensor), with no
+        hooks and nothing cached; runs under the caller's grad mode.
+
+        With ``rows``, the call arguments whose first dimension is the batch (attention masks; rotary
+        tables when they are per sequence) are sliced too. A micro-batch whose size equals its length
+        cannot tell the batch dimension apart, so it is never sliced (its whole output is returned)."""
         args, kwargs = self.call_args[i]
-        return first_tensor(self.block(self.inputs[i], *args, **kwargs))
+        x = self.inputs[i]
+        if rows is not None and self.sliceable(i):
+            n = x.shape[0]
+            x, args, kwargs = x[rows], _rows(args, n, rows), _rows(kwargs, n, rows)
+        return first_tensor(self.block(x, *args, **kwargs))
+
+    def sliceable(self, i: int) -> bool:
+        """Whether :meth:`call` can run a subset of micro-batch i's sequences."""
+        n, length = self.inputs[i].shape[:2]
+        return n > 1 and n != length
 
     @torch.no_grad()
     def forward(self, hooks: dict[str, HookFn] | None = None) -> list[torch.Tensor]:
@@ -114,7 +140,7 @@ class BlockRun:
             outs = []
             for i in range(len(self.inputs)):
                 current["i"] = i
-                outs.append(self._call(i))
+                outs.append(self.call(i))
         finally:
             for h in handles:
                 h.remove()

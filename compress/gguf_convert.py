@@ -12,7 +12,8 @@ float32), never a model: transformers' own ``from_pretrained(gguf_file=...)`` bu
 whole model in memory first.
 
 The names, the tensor fix-ups (Llama's q/k row permutation, …) and the config come from
-transformers' GGUF tables (``transformers.modeling_gguf_pytorch_utils``), so the output is
+transformers' GGUF tables (``transformers.modeling_gguf_pytorch_utils``, through
+:func:`gguf_tables`, which the GGUF writer :mod:`layercut.export.gguf` shares), so the output is
 the same tensors transformers would build: bit for bit at ``dtype=float32``
 (``tests/test_models.py`` checks it on the bundled model). Dequantized k-quant and Q4_1
 values (``d * q + m`` with fp16 ``d`` and ``m``) are exact in float32 but not in bfloat16,
@@ -73,12 +74,7 @@ def convert_gguf(
     from gguf import GGUFReader, dequantize
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-        load_gguf_checkpoint,
-    )
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     gguf, folder = Path(gguf), Path(folder)
     arch = check_supported(gguf)
@@ -95,8 +91,7 @@ def convert_gguf(
     with torch.device("meta"):  # names only: no weights are allocated
         skeleton = AutoModelForCausalLM.from_config(config)
     expected = set(skeleton.state_dict())
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed.get("config", {}))
-    name_map = get_gguf_hf_weights_map(skeleton, processor)
+    processor, name_map = gguf_tables(skeleton, arch, parsed.get("config", {}))
     del skeleton
 
     reader = GGUFReader(str(gguf))
@@ -119,6 +114,25 @@ def convert_gguf(
         raise LayercutError(f"{gguf}: the GGUF lacks {len(missing)} tensors the model needs (e.g. {missing[0]})")
     config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def gguf_tables(model: torch.nn.Module, arch: str, config: dict) -> tuple[object, dict[str, str]]:
+    """transformers' GGUF tables for ``arch``: its tensor processor and GGUF name -> HF name map.
+
+    ``model`` is a (meta) skeleton whose ``state_dict`` names the tensors; ``config`` the
+    GGUF-side config dict (``num_attention_heads``, ``num_key_value_heads``, ...) the processor
+    reads. The one place both directions take their names from: :func:`convert_gguf` reads a
+    GGUF with them, :mod:`layercut.export.gguf` writes one with the inverted map (and the
+    inverse of the processor's fix-ups, checked by reading the file back through this reader).
+    """
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
+    return processor, get_gguf_hf_weights_map(model, processor)
 
 
 def _computed_buffers(names: set[str]) -> set[str]:

@@ -132,6 +132,10 @@ class Recipe(StageConfig):
         if self.target is None and not self.stages:
             raise ValueError("stages: the recipe has no stages (give stages, or a target: {size: 40%})")
         names = [s.stage for s in self.stages]
+        for i, s in enumerate(self.stages):
+            if s.stage == "export" and getattr(s, "format", "safetensors") != "safetensors":
+                raise ValueError(f"stages[{i}].export: format '{s.format}' is for `layercut export` only (a recipe's "
+                                 "eval reads the exported model); export the run's model afterwards with --format")
         check_stage_order([SCALE_HEAL if s.stage == "heal" and getattr(s, "method", "lora") == "scales" else n
                            for s, n in zip(self.stages, names)])
         for i, s in enumerate(self.stages):

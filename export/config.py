@@ -18,9 +18,16 @@ class ExportConfig(StageConfig):
     examples: ClassVar[tuple[str, ...]] = (
         "layercut export runs/demo -o release",
         "layercut export runs/demo/03-quantize/model -o dense --dequantize --save-dtype bf16",
+        "layercut export dense/ -o gguf --format gguf --gguf-type q8_0",
+        "layercut export runs/demo/03-quantize/model -o ct --format compressed-tensors",
     )
 
     stage: Literal["export"] = "export"
+    format: Literal["safetensors", "gguf", "compressed-tensors"] = Field(
+        "safetensors", description="safetensors (transformers), gguf (llama.cpp; dense models) or "
+                                   "compressed-tensors (vLLM; GPTQ models)")
+    gguf_type: Literal["f16", "bf16", "q8_0"] | None = Field(
+        None, description="tensor type of the GGUF matrices (with --format gguf; none: f16)")
     dequantize: bool = Field(False, description="turn a GPTQ checkpoint back into dense weights")
     dtype: Dtype = Field("auto", description="dtype a dense model is read in (auto: the checkpoint's own)")
     save_dtype: SaveDtype | None = Field(None, description="dtype of the written dense weights (none: as loaded)")

@@ -4,6 +4,8 @@ Usage::
 
     layercut export runs/demo -o smollm2-demo-release                 # a run dir or a checkpoint dir
     layercut export runs/demo/04-quantize/model -o dense --dequantize  # dense weights from GPTQ
+    layercut export dense/ -o gguf --format gguf --gguf-type q8_0       # llama.cpp (export/gguf.py)
+    layercut export runs/demo/04-quantize/model -o ct --format compressed-tensors  # vLLM
 
     from layercut.export.export import export_checkpoint
     export_checkpoint("runs/demo/04-quantize/model", "release", save_dtype="fp16")
@@ -36,6 +38,7 @@ from layercut.export.checkpoint import atomic_dir, check_output_dir
 from layercut.export.shards import INDEX
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+FORMATS = ("safetensors", "gguf", "compressed-tensors")
 # Files of a checkpoint that are not weights but travel with it (tokenizer, generation, GPTQ configs).
 # What an export writes itself (from the run), never copied over from the input checkpoint.
 _OWN_FILES = ("README.md", "report.json", "recipe.yaml")
@@ -91,15 +94,25 @@ def export_checkpoint(
     extra_files: dict[str, str | bytes] | None = None,
     stream: bool = True,
     overwrite: bool = False,
+    fmt: str = "safetensors",
+    gguf_type: str | None = None,
 ) -> ExportResult:
     """Write ``src`` (a checkpoint dir) to ``out`` as a release checkpoint; nothing is left on failure.
 
     ``save_dtype`` (fp32, fp16, bf16): dtype of written dense weights; ``load_dtype``: the
-    dtype a dense model is loaded in (auto: the checkpoint's own).
+    dtype a dense model is loaded in (auto: the checkpoint's own). ``fmt``: ``safetensors``,
+    ``gguf`` (a dense model as ``model-<gguf_type>.gguf``, :mod:`layercut.export.gguf`) or
+    ``compressed-tensors`` (a GPTQ model, :mod:`layercut.export.compressed_tensors`).
     """
     src_path = _check_inputs(src, dequantize, save_dtype, max_shard_size)
+    _check_format(src_path, fmt, gguf_type, dequantize, save_dtype)
     check_output_dir(out, overwrite)
     probe_writable(out)
+    if fmt != "safetensors":
+        with atomic_dir(out, overwrite) as tmp:
+            result = _write_other_format(src_path, tmp, fmt, gguf_type or "f16", max_shard_size, extra_files)
+        result.path = str(Path(out))
+        return result
     with atomic_dir(out, overwrite) as tmp:
         result = write_export_into(src_path, tmp, dequantize=dequantize, save_dtype=save_dtype,
                                    load_dtype=load_dtype, max_shard_size=max_shard_size,
@@ -125,6 +138,50 @@ def _check_inputs(src: str | os.PathLike, dequantize: bool, dtype: str | None, m
     except ValueError as exc:
         raise LayercutError(f"--max-shard-size: {exc}") from None
     return path
+
+
+def _check_format(src: Path, fmt: str, gguf_type: str | None, dequantize: bool, save_dtype: str | None) -> None:
+    """Refuse a format that does not fit the input or the other options, before any work."""
+    if fmt not in FORMATS:
+        raise LayercutError(f"unknown export format '{fmt}' (choose from {', '.join(FORMATS)})")
+    if gguf_type is not None and fmt != "gguf":
+        raise LayercutError("--gguf-type applies to --format gguf")
+    if fmt == "safetensors":
+        return
+    if dequantize or save_dtype is not None:
+        raise LayercutError(f"--format {fmt} writes its own tensor types: drop --dequantize / --save-dtype"
+                            + (" (choose the GGUF type with --gguf-type)" if fmt == "gguf" else ""))
+    config = read_config(src)
+    if fmt == "gguf":
+        from layercut.export.gguf import _types, check_gguf_source
+
+        check_gguf_source(config, src)
+        _types(gguf_type or "f16")
+    else:
+        from layercut.export.compressed_tensors import check_ct_source
+
+        check_ct_source(config, src)
+
+
+def _write_other_format(src: Path, folder: Path, fmt: str, gguf_type: str, max_shard_size: str,
+                        extra_files: dict[str, str | bytes] | None) -> ExportResult:
+    """The GGUF / compressed-tensors export into ``folder`` (a temp dir the caller moves into place)."""
+    if fmt == "gguf":
+        from layercut.export.gguf import gguf_file_name, write_gguf
+
+        write_gguf(src, folder / gguf_file_name(gguf_type), gguf_type)
+        weights = [folder / gguf_file_name(gguf_type)]
+    else:
+        from layercut.export.compressed_tensors import write_compressed_tensors
+
+        write_compressed_tensors(src, folder, max_shard_size)
+        _copy_side_files(src, folder, skip_existing=True, skip=("quantize_config.json",))
+        weights = list(folder.glob("*.safetensors"))
+    for name, content in (extra_files or {}).items():
+        (folder / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    return ExportResult(str(folder), fmt == "compressed-tensors", False, files,
+                        sum(p.stat().st_size for p in weights))
 
 
 def write_export_into(

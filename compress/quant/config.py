@@ -134,6 +134,21 @@ class QuantizeConfig(StageConfig, TextOptions):
                                                   "group scales by least squares on the layer's input Hessian "
                                                   "(same bytes; the layer's output error cannot grow)")
     # --- end scale search ---
+    # --- block-wise reconstruction (compress/quant/block_tune.py) ---
+    block_tune: bool = Field(False, description="GPTQ only: after each block's solves, train its codes (each may "
+                                                "move one step up or down) and group scales so the block's "
+                                                "output matches the float block's on the calibration inputs; "
+                                                "same format and bytes")
+    block_tune_steps: int = Field(100, gt=0, description="block tuning: steps per block")
+    block_tune_batch: int = Field(4, gt=0, description="block tuning: calibration sequences per step")
+    block_tune_lr: float = Field(0.003, gt=0, description="block tuning: Adam step of the rounding offsets in "
+                                                          "code units, decaying linearly to 0")
+    block_tune_scale_lr: float = Field(0.002, ge=0, description="block tuning: Adam step of the relative group-scale "
+                                                                "change (0: scales stay GPTQ's)")
+    block_tune_target: Literal["quantized", "float"] = Field(
+        "float", description="block tuning: the float block's output on the quantized model's inputs "
+                                 "(quantized) or on the float model's own (float)")
+    # --- end block-wise reconstruction ---
     # --- head quantization (compress/quant/head.py) ---
     quantize_head: int | str | None = Field(
         None, description="also GPTQ the untied output head (lm_head) at these bits and group size: 8g128, "
@@ -165,6 +180,12 @@ class QuantizeConfig(StageConfig, TextOptions):
             raise ValueError(f"scale_search {self.scale_search} works with method gptq, not {self.method}")
         if self.method != "gptq" and self.refit_scales:
             raise ValueError(f"refit_scales works with method gptq, not {self.method}")
+        tune_keys = sorted(k for k in self.model_fields_set if k.startswith("block_tune_"))
+        if tune_keys and not self.block_tune:
+            raise ValueError(f"{', '.join(tune_keys)} set without block_tune")
+        if self.block_tune and self.method != "gptq":
+            raise ValueError(f"block_tune starts from GPTQ's codes and runs in its block loop; it does not support "
+                             f"method {self.method}")
         if self.sensitivity == "kl-swap" and self.method != "gptq":  # kl-swap
             raise ValueError(f"sensitivity kl-swap solves GPTQ at each candidate: it needs method gptq, not "
                              f"{self.method}")
@@ -217,13 +238,16 @@ class QuantizeConfig(StageConfig, TextOptions):
     def core(self):
         """The solver's settings (:class:`layercut.compress.quant.driver.SolverConfig`); an unresolved
         default group size reads as 128 here, which :func:`apply` replaces by the model's own."""
+        from layercut.compress.quant.block_tune import BlockTune
         from layercut.compress.quant.driver import SolverConfig
 
         gs = 128 if self.group_size is None else self.group_size
+        tune = BlockTune(steps=self.block_tune_steps, batch=self.block_tune_batch, lr=self.block_tune_lr, scale_lr=self.block_tune_scale_lr,
+                         target=self.block_tune_target, seed=self.seed) if self.block_tune else None
         return SolverConfig(bits=self.bits or 4, group_size=gs, sym=self.sym,
                             act_order=self.act_order, static_groups=self.static_groups, group_aware=self.group_aware,
                             method=self.method, damp=self.damp, sequential=self.sequential,
                             solve_dtype=self.solve_dtype,
                             scale_search=self.scale_search if self.method == "gptq" else "none",
                             scale_min=self.scale_min, scale_steps=self.scale_steps, scale_bounds=self.scale_bounds,
-                            refit_scales=self.refit_scales and self.method == "gptq")
+                            refit_scales=self.refit_scales and self.method == "gptq", tune=tune)

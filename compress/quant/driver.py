@@ -37,11 +37,12 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from layercut.calibrate.capture import BlockRun, run_blocks
+from layercut.calibrate.capture import BlockRun, first_tensor, run_blocks
 from layercut.calibrate.data import CalibSet
 from layercut.compress.arch import ArchSpec, arch_for, target_linears
 from layercut.compress.errors import LayercutError
 from layercut.compress.lazy import trim_heap
+from layercut.compress.quant.block_tune import BlockTune, tune_block
 from layercut.compress.quant.gptq import (
     SCALE_BOUNDS,
     SCALE_SEARCH,
@@ -84,6 +85,8 @@ class SolverConfig:
     scale_bounds: str = "joint"  # "joint": one factor for both ends of the range; "separate": one each
     # after the codes are chosen, re-solve each row's group scales by least squares on H (scale_fit.py)
     refit_scales: bool = False
+    # block-wise reconstruction after each block's GPTQ solves (block_tune.py); None: off
+    tune: BlockTune | None = None
 
     def check(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -110,6 +113,11 @@ class SolverConfig:
                                 f"not {self.method!r}")
         if self.refit_scales and self.method != "gptq":
             raise LayercutError(f"quantize: refit_scales works with method gptq, not {self.method!r}")
+        if self.tune is not None:
+            if self.method != "gptq":
+                raise LayercutError(f"quantize: block tuning starts from GPTQ's codes and runs in its block loop; "
+                                    f"it does not support method {self.method!r}")
+            self.tune.check()
 
     def torch_solve_dtype(self) -> torch.dtype:
         return SOLVE_DTYPES[self.solve_dtype]
@@ -280,7 +288,7 @@ def solve_group(Ws: list[Tensor], H: Tensor | list[Tensor] | None, bits: int, cf
         r1 = r0 + W.shape[0]
         part = QuantResult(q=res.q[r0:r1], scales=res.scales[:, r0:r1], zeros=res.zeros[:, r0:r1], g_idx=res.g_idx.clone(),
                            dequant=res.dequant[r0:r1], loss=float("nan"), damp_used=res.damp_used, bits=bits,
-                           group_size=res.group_size)
+                           group_size=res.group_size, residual=None if res.residual is None else res.residual[r0:r1])
         if H is not None:
             part.loss = output_loss(W, part.dequant, H)
         out.append(part)
@@ -296,7 +304,7 @@ def _solve(W: Tensor, H: Tensor | None, bits: int, cfg: SolverConfig, overwrite_
         static_groups=cfg.static_groups, damp=cfg.damp, block_size=cfg.block_size, group_aware=cfg.group_aware,
         overwrite_h=overwrite_h, solve_dtype=cfg.torch_solve_dtype(),
         scale_search=cfg.scale_search, scale_min=cfg.scale_min, scale_steps=cfg.scale_steps,
-        refit=cfg.refit_scales, scale_bounds=cfg.scale_bounds,
+        refit=cfg.refit_scales, scale_bounds=cfg.scale_bounds, residual=cfg.tune is not None,
     )
 
 
@@ -419,7 +427,11 @@ def quantize_model(
     for i, g, name, module in targets:
         by_block.setdefault(i, []).append((g, name, module))
 
+    tuner = _BlockTuner(cfg.tune, result) if cfg.tune is not None else None
+
     def on_block(run: BlockRun) -> None:
+        if tuner is not None:  # the float block's output, before any of its weights change
+            tuner.start(run)
         for stage in SEQUENTIAL[cfg.sequential]:
             stage = tuple(g for g in stage if g < len(spec.groups))
             if not stage:
@@ -439,11 +451,17 @@ def quantize_model(
                 b, gs = plan[items[0][0]]  # one pair per fused group (checked)
                 parts = solve_group(Ws, box, b, replace(cfg, group_size=gs), overwrite_h=True)
                 result.solve_seconds += time.perf_counter() - t0
-                _apply_group(items, Ws, parts, spec.conv1d, result)
+                if tuner is not None:  # recorded once tuned
+                    tuner.add(items, Ws, parts, spec.conv1d)
+                else:
+                    _apply_group(items, Ws, parts, spec.conv1d, result)
                 del parts, Ws  # before the next group's solve: its codes and dequantized weights
                 trim_heap()  # and the heap pages its [in, in] temporaries left behind
                 result.tokens = hs.n[g]  # the Hessian was freed with the solve, before the next group's
         run.invalidate()  # the next block sees this block's quantized outputs
+        if tuner is not None:
+            tuner.finish(run, spec.conv1d)
+            run.invalidate()
 
     callbacks = [on_block] + ([lambda run: after_block(run, result)] if after_block is not None else [])
     h_last = run_blocks(model, calib, callbacks, batch_size=batch_size, device=device, progress=progress,
@@ -454,6 +472,45 @@ def quantize_model(
         quantize_head(model, H, *head, cfg, result, device=device)
     result.seconds = time.perf_counter() - start
     return result
+
+
+class _BlockTuner:
+    """Block-wise reconstruction inside the GPTQ block loop (:mod:`layercut.compress.quant.block_tune`):
+    the float block's output is the target, the block's solved linears are tuned once all are solved,
+    then set and recorded. With ``target="float"`` it carries the float model's own stream."""
+
+    def __init__(self, cfg: BlockTune, result: QuantizeResult):
+        self.cfg, self.result = cfg, result
+        self.float_stream: list[Tensor] | None = None
+        self.targets: list[Tensor] = []
+        self.solved: list[tuple[str, nn.Module, Tensor, QuantResult]] = []
+
+    def start(self, run: BlockRun) -> None:
+        if self.cfg.target == "quantized":
+            self.targets = run.outputs()
+            run.invalidate()
+            return
+        if self.float_stream is None:  # block 0: both streams are the embeddings
+            self.float_stream = run.inputs
+        self.targets = [first_tensor(run.block(x, *a, **k))
+                        for x, (a, k) in zip(self.float_stream, run.call_args)]
+        self.float_stream = self.targets
+
+    def add(self, items, Ws: list[Tensor], parts: list[QuantResult], conv1d: bool) -> None:
+        for (name, module), W, res in zip(items, Ws, parts):
+            set_weight(module, res.dequant, conv1d)  # the later groups' Hessians see it quantized
+            self.solved.append((name, module, W, res))
+
+    def finish(self, run: BlockRun, conv1d: bool) -> None:
+        paths = {id(m): p for p, m in run.block.named_modules()}
+        solved = {paths[id(module)]: (res, getattr(module, "bias", None)) for _, module, _, res in self.solved}
+        tuned, report = tune_block(run.block, run.call, self.targets, run.masks, solved, self.cfg)
+        for name, module, W, _ in self.solved:
+            res = tuned[paths[id(module)]]
+            set_weight(module, res.dequant, conv1d)
+            self.result.layers[name] = _record(name, res, W)
+        self.result.tune_reports[run.index] = report
+        self.solved, self.targets = [], []
 
 
 def _rtn_blocks(model, targets, plan, cfg: SolverConfig, spec: ArchSpec, result: QuantizeResult, device,

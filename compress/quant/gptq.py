@@ -47,6 +47,9 @@ class QuantResult:
     damp_used: float  # relative damping actually applied (0 for RTN)
     bits: int
     group_size: int  # as requested (-1: one group spanning all of `in`)
+    # GPTQ with ``residual=True``: float32 [out, in], each weight's error-updated value in code units
+    # (w/scale + zero) minus its code, clamped to [-0.5, 0.5] (block tuning starts its rounding there)
+    residual: Tensor | None = None
 
 
 # --------------------------------------------------------------------------- checks
@@ -286,6 +289,7 @@ def gptq_quantize(
     scale_steps: int = 5,
     refit: bool = False,
     scale_bounds: str = "joint",
+    residual: bool = False,
 ) -> QuantResult:
     """Quantize ``W`` [out, in] with GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training
     Quantization for Generative Pre-trained Transformers", Algorithm 1).
@@ -334,6 +338,10 @@ def gptq_quantize(
     on the undamped H (:func:`layercut.compress.quant.scale_fit.refit_scales`): the same codes and
     zeros, the output error no larger; ``loss`` is recomputed for the refit scales. It keeps a
     copy of W and of H ([out, in] + [in, in] float32) until the end.
+
+    ``residual``: also return, per weight, how far its error-updated value lay from the code it got
+    (in code units, clamped to [-0.5, 0.5]; one more [out, in] float32), the rounding decision that
+    :mod:`layercut.compress.quant.block_tune` revisits.
     """
     gs = _check_args(W, bits, group_size)
     out_f, in_f = W.shape
@@ -409,6 +417,7 @@ def gptq_quantize(
     del W0
 
     Q = torch.zeros_like(W)  # integer codes as float, processing order
+    R = torch.zeros_like(W) if residual else None  # value - code, in code units, processing order
     loss = torch.zeros((), dtype=torch.float64, device=W.device)
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
@@ -426,6 +435,8 @@ def gptq_quantize(
             d = Hinv1[i, i]
             q = _quant(w, scales[g], zeros[g], maxq)
             Q[:, col] = q
+            if R is not None:
+                R[:, col] = (w / scales[g] + zeros[g] - q).clamp_(-0.5, 0.5)
             err = (w - scales[g] * (q - zeros[g])) / d
             loss += (err.double().square().sum()) / 2
             W1[:, i:].addr_(err, Hinv1[i, i:], alpha=-1)  # OBS update of the block's remaining columns
@@ -434,6 +445,7 @@ def gptq_quantize(
 
     if perm is not None:
         Q = Q[:, torch.argsort(perm)]
+        R = None if R is None else R[:, torch.argsort(perm)]
     if group_order is not None and not static_groups:
         # processing group k is original group group_order[k]: store groups in natural order
         scales[group_order], zeros[group_order] = scales.clone(), zeros.clone()
@@ -445,7 +457,9 @@ def gptq_quantize(
     loss = float(loss)
     if fit is not None:
         loss = _refit(fit[0], fit[1], Q, scales, zeros, g_idx, loss, damp_used)
-    return _finish(Q, scales, zeros, g_idx, loss, damp_used, bits, group_size)
+    res = _finish(Q, scales, zeros, g_idx, loss, damp_used, bits, group_size)
+    res.residual = R
+    return res
 
 
 def _refit(W: Tensor, H: Tensor, Q: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor, loss: float,

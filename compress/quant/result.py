@@ -43,6 +43,7 @@ class QuantizeResult:
     solve_seconds: float = 0.0  # time inside gptq_quantize / rtn_quantize
     tokens: int = 0  # calibration tokens (non-pad) per Hessian
     head: str | None = None  # module name of the output head when it is quantized too (in ``layers``)
+    tune_reports: dict = field(default_factory=dict)  # block index -> block_tune.TuneReport (block tuning only)
 
     def body(self) -> dict[str, QuantizedLinear]:
         """The decoder blocks' quantized linears (``layers`` without the head)."""

@@ -46,7 +46,13 @@ def run(config: ExportConfig, source: str | Path, output: str | Path, env: RunEn
         for name in ("recipe.yaml", "report.json"):
             if (model / name).is_file():
                 extra[name] = (model / name).read_bytes()
-    if config.card and env.run_dir is None:  # in a recipe run the pipeline writes the card at the end
+    if env.run_dir is not None and config.format != "safetensors":
+        from layercut.compress.errors import LayercutError
+
+        raise LayercutError(f"export format '{config.format}' is for `layercut export`, not a recipe's export "
+                            f"stage: export the run's model afterwards with --format {config.format}")
+    # the card's loading snippets are for safetensors checkpoints: none for GGUF / compressed-tensors
+    if config.card and env.run_dir is None and config.format == "safetensors":
         step = {"stage": "export", "dir": "", "report": {"quantized": is_quantized(model),
                                                          "dequantized": config.dequantize}}
         card_report = {**report, "stages": [r for r in report["stages"] if r["stage"] != "export"] + [step]}
@@ -57,7 +63,7 @@ def run(config: ExportConfig, source: str | Path, output: str | Path, env: RunEn
     result = export_checkpoint(
         model, output, dequantize=config.dequantize, save_dtype=config.save_dtype, load_dtype=config.dtype,
         max_shard_size=config.max_shard_size, trust_remote_code=env.trust_remote_code, extra_files=extra,
-        overwrite=env.overwrite, stream=not config.whole_model,
+        overwrite=env.overwrite, stream=not config.whole_model, fmt=config.format, gguf_type=config.gguf_type,
     )
     return result.to_dict()
 

@@ -41,6 +41,7 @@ measured swaps; its baseline pass is the fallback check's uniform baseline.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -91,6 +92,8 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
                     **({"scale_grid": [cfg.scale_min, cfg.scale_steps], "scale_bounds": cfg.scale_bounds}
                        if cfg.scale_search != "none" else {}),
                     "refit_scales": cfg.refit_scales,
+                    **({"block_tune": {"steps": cfg.tune.steps, "batch": cfg.tune.batch, "lr": cfg.tune.lr, "scale_lr": cfg.tune.scale_lr,
+                                       "target": cfg.tune.target}} if cfg.tune is not None else {}),
                     "calib": config.text_label(),
                     "samples": config.samples, "seq_len": config.seq_len}
     if not mixed:
@@ -101,7 +104,10 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
         report.update(bits=config.bits, avg_bits=result.avg_bits(), quantize_seconds=result.seconds,
                       solve_seconds=result.solve_seconds, linears=len(result.body()), tokens=result.tokens,
                       bits_per_layer={"all linears": config.bits},
-                      description=f"{config.method.upper()} ({sym}, group size {gs}), {config.bits} bits,")
+                      description=f"{config.method.upper()}{' + block tuning' if cfg.tune else ''} ({sym}, group "
+                                  f"size {gs}), {config.bits} bits,")
+        if result.tune_reports:
+            report["block_tune"].update(tune_summary(result.tune_reports))
         if head is not None:  # the report and the card say the head is quantized, and how
             q = result.layers[result.head]
             report_head["avg_bits"] = q.stored_bits / (q.in_features * q.out_features)
@@ -118,6 +124,16 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
     report.update(mixed_run.report)
     return (mixed_run.result, report, mixed_run.alloc,
             json.dumps(strip_volatile(mixed_run.allocation), indent=2) + "\n")
+
+
+def tune_summary(reports: dict) -> dict:
+    """What block tuning did, over all blocks: how many kept their tuned result, the block-output
+    loss of what was kept / GPTQ's (geometric mean of the per-block ratios), and the share of codes moved."""
+    rs = list(reports.values())
+    ratios = [min(r.loss_tuned, r.loss_gptq) / r.loss_gptq for r in rs if r.loss_gptq > 0]
+    return {"blocks_kept": sum(r.kept for r in rs), "blocks": len(rs),
+            "loss_ratio": math.exp(sum(math.log(max(x, 1e-12)) for x in ratios) / max(1, len(ratios))),
+            "codes_moved": sum(r.codes_changed for r in rs) / max(1, len(rs))}
 
 
 def quantize_model(model, tokenizer, config: QuantizeConfig, progress: bool = True):

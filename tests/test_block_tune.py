@@ -1,0 +1,257 @@
+"""Block-wise reconstruction after GPTQ (compress/quant/block_tune.py): the hand-written backward,
+what a tuned block may change (codes one step, scales, nothing else), that it lowers the block's
+output error and the model's KL, the float-stream target, the checkpoint it writes (streamed equals
+in memory; stock transformers and layercut's loader read it), and bad input."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from layercut.calibrate.capture import run_blocks
+from layercut.calibrate.data import CalibSet
+from layercut.compress.quant.block_tune import BlockTune, TunedLinear, masked_mse, tune_block
+from layercut.compress.quant.driver import SolverConfig, _BlockTuner, quantize_model
+from layercut.compress.quant.gptq import gptq_quantize, hessian_update
+from layercut.compress.quant.result import QuantizeResult
+from tests.test_cli_errors import check_one_error, tree
+from tests.test_quantize import small_model
+
+
+def _calib(model, n: int = 16, length: int = 32, seed: int = 1) -> CalibSet:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (n, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, -5:] = 0  # some padding: it must not count in the loss
+    return CalibSet(ids, mask)
+
+
+def _kl(ref_model, model, ids) -> float:
+    with torch.no_grad():
+        p = ref_model(ids).logits.log_softmax(-1)
+        q = model(ids).logits.log_softmax(-1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def _solved_linear(seed: int = 0, bits: int = 3, gs: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(24, 48, generator=g)
+    x = torch.randn(200, 48, generator=g)
+    H, _ = hessian_update(None, 0, x)
+    return W, x, gptq_quantize(W, H, bits, gs, act_order=True, static_groups=True)
+
+
+def test_backward_matches_autograd_of_the_same_formula():
+    """The custom backward (weight rebuilt, not saved) against autograd through the same formula
+    with the straight-through rounding written out; a wrong scale or group index turns it red."""
+    _, x, res = _solved_linear()
+    lin = TunedLinear(res, bias=torch.randn(24))
+    with torch.no_grad():
+        lin.v.uniform_(-0.7, 0.7)
+        lin.t.uniform_(-0.1, 0.1)
+    x = x.clone().requires_grad_(True)
+    y = lin(x)
+    gy = torch.randn_like(y)
+    (y * gy).sum().backward()
+
+    v = lin.v.detach().clone().requires_grad_(True)
+    t = lin.t.detach().clone().requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    c = res.q.float() + v
+    c = c + (c.round().clamp(0, 2**res.bits - 1) - c).detach()
+    gi = res.g_idx.long()
+    W = (res.scales * (1 + t)).T[:, gi] * (c - res.zeros.T.float()[:, gi])
+    ((x2 @ W.T + lin.bias) * gy).sum().backward()
+    torch.testing.assert_close(y, x2 @ W.T + lin.bias)
+    torch.testing.assert_close(lin.v.grad, v.grad)
+    torch.testing.assert_close(lin.t.grad, t.grad)
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_tuned_result_keeps_the_format():
+    """Codes within one step of GPTQ's and in range, zeros and g_idx unchanged, float16 scales,
+    and the dequant identity the packer and every loader rely on."""
+    _, _, res = _solved_linear(bits=2)
+    lin = TunedLinear(res, bias=None)
+    with torch.no_grad():
+        lin.v.uniform_(-1, 1)
+        lin.t.uniform_(-0.2, 0.2)
+    out = lin.result(res)
+    assert out.q.dtype == torch.int32 and int(out.q.min()) >= 0 and int(out.q.max()) <= 3
+    assert int((out.q - res.q).abs().max()) == 1
+    assert torch.equal(out.zeros, res.zeros) and torch.equal(out.g_idx, res.g_idx)
+    assert torch.equal(out.scales, out.scales.half().float()) and not torch.equal(out.scales, res.scales)
+    gi = out.g_idx.long()
+    assert torch.equal(out.dequant, out.scales.T[:, gi] * (out.q - out.zeros.T[:, gi]).float())
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt2"])
+def test_tuning_lowers_block_error_and_model_kl(family):
+    """2-bit on a tiny model: every block's output error on the calibration set goes down (or the
+    block keeps GPTQ's result), and the model's KL to the float model on other tokens goes down."""
+    ref = small_model(family)
+    calib = _calib(ref)
+    probe = _calib(ref, n=8, seed=7).input_ids
+    kls = {}
+    for tune in (None, BlockTune(steps=60, lr=0.01)):
+        model = copy.deepcopy(ref)
+        result = quantize_model(model, calib, SolverConfig(bits=2, group_size=32, tune=tune), batch_size=4,
+                                progress=False)
+        kls[tune is not None] = _kl(ref, model, probe)
+        if tune is not None:
+            reps = result.tune_reports
+            assert sorted(reps) == [0, 1, 2]
+            assert all(r.loss_tuned < r.loss_gptq and r.kept for r in reps.values())
+            assert all(r.codes_changed > 0 for r in reps.values())
+    assert kls[True] < 0.97 * kls[False], kls
+
+
+def test_float_target_follows_the_float_model():
+    """target="float": each block's target is the float model's own hidden state (the block's
+    float output on the float stream), not the quantized stream's."""
+    model = small_model("llama")
+    calib = _calib(model, n=4)
+    tuner = _BlockTuner(BlockTune(target="float"), QuantizeResult(config=SolverConfig()))
+    seen = []
+
+    def on_block(run):
+        tuner.start(run)
+        seen.append(torch.cat(tuner.targets))
+        with torch.no_grad():  # perturb the block after its target: the float stream must not see it
+            for p in run.block.parameters():
+                p.add_(0.05)
+        run.invalidate()
+
+    ref = small_model("llama")
+    run_blocks(model, calib, [on_block], batch_size=2, progress=False)
+    with torch.no_grad():
+        hs = ref(calib.input_ids, attention_mask=calib.attention_mask, output_hidden_states=True).hidden_states
+    for i, got in enumerate(seen[:-1]):  # the last hidden state is after the final norm
+        mask = calib.attention_mask.bool()
+        torch.testing.assert_close(got[mask], hs[i + 1][mask], atol=1e-4, rtol=1e-4)
+
+
+def test_tuning_never_keeps_a_worse_block():
+    """A learning rate far too large for the data: the block keeps GPTQ's result exactly."""
+    ref = small_model("llama", layers=1)
+    calib = _calib(ref, n=4)
+    plain, tuned = copy.deepcopy(ref), copy.deepcopy(ref)
+    quantize_model(plain, calib, SolverConfig(bits=3, group_size=32), batch_size=2, progress=False)
+    r = quantize_model(tuned, calib, SolverConfig(bits=3, group_size=32,
+                                                  tune=BlockTune(steps=4, lr=50.0, scale_lr=5.0)),
+                       batch_size=2, progress=False)
+    assert not r.tune_reports[0].kept
+    for a, b in zip(plain.parameters(), tuned.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_masked_mse_ignores_padding():
+    y, t = torch.zeros(2, 3, 4), torch.zeros(2, 3, 4)
+    t[1, 2] = 100.0
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    assert float(masked_mse(y, t, mask)) > 0
+    mask[1, 2] = False
+    assert float(masked_mse(y, t, mask)) == 0
+
+
+def test_tune_block_puts_the_modules_back():
+    model = small_model("llama", layers=1)
+    block = model.model.layers[0]
+    before = {n: type(m) for n, m in block.named_modules()}
+    grads = {n: p.requires_grad for n, p in block.named_parameters()}
+    W = block.mlp.down_proj.weight.detach()
+    H, _ = hessian_update(None, 0, torch.randn(64, W.shape[1]))
+    res = gptq_quantize(W, H, 4, 32)
+    x = [torch.randn(2, 8, model.config.hidden_size)]
+    targets = [block.mlp(x[0]).detach()]
+    tune_block(block, lambda i, rows: block.mlp(x[i]), targets, [torch.ones(2, 8, dtype=torch.bool)],
+               {"mlp.down_proj": (res, None)}, BlockTune(steps=3))
+    assert {n: type(m) for n, m in block.named_modules()} == before
+    assert {n: p.requires_grad for n, p in block.named_parameters()} == grads
+
+
+@pytest.fixture(scope="module")
+def tuned_dirs(tmp_path_factory, tiny_tokenizer):
+    """The small llama quantized with block tuning through the CLI: streamed (the default for a
+    checkpoint) and whole-model."""
+    from layercut.compress.cli import main
+
+    root = tmp_path_factory.mktemp("block-tune")
+    src = root / "src"
+    small_model("llama").save_pretrained(src)
+    tiny_tokenizer.save_pretrained(src)
+    args = ["--bits", "3", "--group-size", "32", "--samples", "8", "--seq-len", "32", "--block-tune",
+            "--block-tune-steps", "20"]
+    for name, extra in (("streamed", []), ("whole", ["--whole-model"])):
+        assert main(["-q", "quantize", str(src), "-o", str(root / name), *args, *extra]) == 0
+    return src, root / "streamed", root / "whole"
+
+
+def test_streamed_equals_whole_model_and_the_report_says_so(tuned_dirs):
+    from safetensors.torch import load_file
+
+    _, streamed, whole = tuned_dirs
+    a = load_file(str(next(streamed.glob("*.safetensors"))))
+    b = {}
+    for f in whole.glob("*.safetensors"):
+        b.update(load_file(str(f)))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    rep = json.loads((streamed / "quantize.json").read_text())
+    assert rep["block_tune"]["steps"] == 20 and rep["block_tune"]["blocks"] == 3
+    assert 0 < rep["block_tune"]["loss_ratio"] < 1 and rep["block_tune"]["codes_moved"] > 0
+    assert "block tuning" in rep["description"]
+
+
+def test_stock_transformers_and_layercut_load_it_alike(tuned_dirs):
+    from transformers import AutoModelForCausalLM
+
+    from layercut.compress.quant.loader import load_quantized
+
+    src, streamed, _ = tuned_dirs
+    ours = load_quantized(streamed)
+    stock = AutoModelForCausalLM.from_pretrained(streamed, dtype=torch.float32)
+    assert type(stock.model.layers[0].self_attn.q_proj).__module__.startswith("gptqmodel.")
+    probe = _calib(ours, n=2, seed=3).input_ids
+    with torch.no_grad():
+        a, b = ours(probe).logits.float(), stock(probe).logits.float()
+        fp = AutoModelForCausalLM.from_pretrained(src)(probe).logits
+    torch.testing.assert_close(a, b, atol=3e-2, rtol=0)  # gptqmodel's CPU kernel computes in bf16
+    assert (a - b).abs().mean() < 0.2 * (fp - a).abs().mean()
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--block-tune", "--method", "rtn"], ["--block-tune starts from GPTQ's codes", "method rtn"]),
+    (["--block-tune", "--block-tune-steps", "0"], ["--block-tune-steps must be > 0"]),
+    (["--block-tune", "--block-tune-lr", "-1"], ["--block-tune-lr must be > 0"]),
+    (["--block-tune-lr", "0.1"], ["--block-tune-lr set without --block-tune"]),
+])
+def test_bad_input(extra, words, tiny_model_dir, tmp_path, capsys):
+    model = tiny_model_dir("llama")
+    before = tree(tmp_path)
+    capsys.readouterr()  # the fixture's own progress output
+    check_one_error(capsys, ["quantize", str(model), "-o", str(tmp_path / "out"), "--bits", "4", *extra], words)
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen2", "gpt2"])
+def test_a_subset_of_sequences_runs_like_the_whole_micro_batch(family):
+    """BlockRun.call(i, rows) slices the batch-shaped call arguments (masks, per-sequence rotary
+    tables) with the inputs: its output equals those rows of the whole micro-batch's output."""
+    model = small_model(family, layers=2)
+    calib = _calib(model, n=8)
+    seen = []
+
+    def on_block(run):
+        rows = torch.tensor([3, 0])
+        assert run.sliceable(0)
+        with torch.no_grad():
+            seen.append((run.call(0, rows), run.call(0)[rows]))
+
+    run_blocks(model, calib, [on_block], batch_size=4, progress=False)
+    for part, whole in seen:
+        torch.testing.assert_close(part, whole, atol=1e-5, rtol=1e-5)
