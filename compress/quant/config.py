@@ -180,7 +180,8 @@ class QuantizeConfig(StageConfig, TextOptions):
             raise ValueError(f"scale_search {self.scale_search} works with method gptq, not {self.method}")
         if self.method != "gptq" and self.refit_scales:
             raise ValueError(f"refit_scales works with method gptq, not {self.method}")
-        tune_keys = sorted(k for k in self.model_fields_set if k.startswith("block_tune_"))
+        tune_keys = sorted(k for k, f in type(self).model_fields.items()  # a resolved recipe writes defaults too
+                           if k.startswith("block_tune_") and getattr(self, k) != f.default)
         if tune_keys and not self.block_tune:
             raise ValueError(f"{', '.join(tune_keys)} set without block_tune")
         if self.block_tune and self.method != "gptq":
