@@ -255,3 +255,12 @@ def test_a_subset_of_sequences_runs_like_the_whole_micro_batch(family):
     run_blocks(model, calib, [on_block], batch_size=4, progress=False)
     for part, whole in seen:
         torch.testing.assert_close(part, whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [dict(optimizer="sgd"), dict(init="rtn"), dict(target="fp"), dict(batch=0),
+                                 dict(scale_lr=float("nan"))])
+def test_python_api_refuses_bad_settings(bad):
+    from layercut.compress.errors import LayercutError
+
+    with pytest.raises(LayercutError, match="block tuning"):
+        BlockTune(**bad).check()

@@ -53,6 +53,8 @@ from layercut.compress.errors import LayercutError
 from layercut.compress.quant.gptq import QuantResult
 
 TARGETS = ("quantized", "float")
+OPTIMIZERS = ("adam", "sign")
+INITS = ("residual", "zero")
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,9 @@ class BlockTune:
         if not (self.lr > 0 and math.isfinite(self.lr)) or not (self.scale_lr >= 0 and math.isfinite(self.scale_lr)):
             raise LayercutError(f"quantize: block tuning learning rates must be positive, got lr {self.lr}, "
                                 f"scale lr {self.scale_lr}")
+        if self.optimizer not in OPTIMIZERS or self.init not in INITS:
+            raise LayercutError(f"quantize: block tuning optimizer must be one of {OPTIMIZERS} and init one of "
+                                f"{INITS}, got {self.optimizer!r}, {self.init!r}")
         if self.target not in TARGETS:
             raise LayercutError(f"quantize: block tuning target must be one of {TARGETS}, got {self.target!r}")
 
