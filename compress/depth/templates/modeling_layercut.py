@@ -16,7 +16,9 @@ the source family (llama, mistral, qwen2, qwen3). Two config lists drive it:
 Removed modules are ``None``, so their weights are neither expected nor stored. A block
 without attention gets a no-storage ``DummyLayer`` in the KV cache (transformers'
 ``kv_sharing_modes`` mechanism maps "reuse" to a layer that never stores keys/values),
-so no cache memory is allocated for it. The model type is ``layercut_<family>`` on
+so no cache memory is allocated for it. transformers 5.25 asks block 0's cache layer for the
+sequence length; when block 0 has no attention, its ``DummyLayer`` is given the length of
+the first block that has (``_answer_seq_length``). The model type is ``layercut_<family>`` on
 purpose: loading without ``trust_remote_code`` fails instead of silently building the
 stock model with random weights in the removed slots.
 
@@ -26,6 +28,8 @@ This file imports only transformers.
 from __future__ import annotations
 
 import importlib
+
+from transformers import DynamicCache
 
 FAMILIES = {
     # family: (module, config class, causal LM class)
@@ -38,6 +42,20 @@ FAMILIES = {
 
 def _dropped(config, key: str) -> set[int]:
     return {int(i) for i in (getattr(config, key, None) or [])}
+
+
+def _answer_seq_length(cache, gone: set[int]) -> None:
+    """Let the cache layers of blocks without attention report the sequence length of the first block with it
+    (transformers >= 5.25 reads it from block 0; its ``DummyLayer`` has no ``get_seq_length``)."""
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return
+    first = next((i for i in range(len(layers)) if i not in gone), None)
+    if first is None:
+        return
+    for i in gone:
+        if i < len(layers) and not hasattr(layers[i], "get_seq_length"):
+            layers[i].get_seq_length = layers[first].get_seq_length
 
 
 class _SublayerSkipMixin:
@@ -87,6 +105,24 @@ def _make_classes(family: str):
                     layer.post_attention_layernorm = None
                 # Same object, same parameters; only the forward changes.
                 layer.__class__ = _skip_class(type(layer))
+            if no_attn:
+                self.model.register_forward_pre_hook(self._cache_with_seq_length, with_kwargs=True)
+
+        def _cache_with_seq_length(self, module, args, kwargs):
+            # transformers 5.25 renamed the argument past_key_values -> cache.
+            name = "cache" if "cache" in kwargs else "past_key_values"
+            use_cache = kwargs.get("use_cache")
+            if kwargs.get(name) is None and (self.config.use_cache if use_cache is None else use_cache):
+                kwargs[name] = DynamicCache(config=self.config)
+            _answer_seq_length(kwargs.get(name), _dropped(self.config, "layercut_drop_attention"))
+            return args, kwargs
+
+        def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+            # generate() reads the cache's length before the first forward.
+            out = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+            for name in ("cache", "past_key_values"):
+                _answer_seq_length(model_kwargs.get(name), _dropped(self.config, "layercut_drop_attention"))
+            return out
 
     camel = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
     Config.__name__ = Config.__qualname__ = f"Layercut{camel}Config"
