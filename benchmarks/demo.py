@@ -3,7 +3,7 @@
 Run (both recipes, each followed by a longer test eval; about 7 minutes on 2 free cores)::
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/demo.py            # -> benchmarks/results/demo.json
-    .venv/bin/python benchmarks/demo.py --from-json benchmarks/results/demo.json   # the README table
+    .venv/bin/python benchmarks/demo.py --from-json benchmarks/results/demo.json   # the table in docs/results/demo.md
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/demo.py --choose   # -> benchmarks/results/demo-choice.json
 
 Measuring: converts the bundled model first if it is not cached (timed apart as ``convert_s``),

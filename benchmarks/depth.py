@@ -9,8 +9,8 @@ Run (CPU, ~25–60 min on a loaded 2-core machine)::
     # re-render the markdown (and the stored row labels) from a stored JSON, no model runs
     .venv/bin/python benchmarks/depth.py --from-json benchmarks/results/depth.json
 
-Prints a table, writes ``benchmarks/results/depth.json`` and ``docs/results-depth.md``
-(``depth-brown-val.json`` / ``docs/results-depth-brown-val.md`` for ``--text bundled:brown-val``).
+Prints a table, writes ``benchmarks/results/depth.json`` and ``docs/results/depth.md``
+(``depth-brown-val.json`` / ``docs/results/depth-brown-val.md`` for ``--text bundled:brown-val``).
 Evaluation text: ``--text`` (default ``bundled:brown-test``), ctx 512, the first
 ``--max-tokens`` tokens. Calibration: ``bundled:brown-calib``, ``--samples`` × ``--seq-len`` tokens.
 
@@ -70,9 +70,9 @@ RENAMED = {"fuse (LaCo, c=1), angular span": MERGE_ROW, "fuse (calibrated c), an
 
 def default_outputs(text: str) -> tuple[str, str]:
     if text in (DEFAULT_EVAL_TEXT, "bundled:brown-heldout"):  # heldout: results from before the val/test split
-        return str(ROOT / "benchmarks/results/depth.json"), str(ROOT / "docs/results-depth.md")
+        return str(ROOT / "benchmarks/results/depth.json"), str(ROOT / "docs/results/depth.md")
     slug = text.split(":", 1)[-1]
-    return str(ROOT / f"benchmarks/results/depth-{slug}.json"), str(ROOT / f"docs/results-depth-{slug}.md")
+    return str(ROOT / f"benchmarks/results/depth-{slug}.json"), str(ROOT / f"docs/results/depth-{slug}.md")
 
 
 class CachedLogits(nn.Module):
@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--text", default=DEFAULT_EVAL_TEXT, help="evaluation text (default %(default)s)")
     ap.add_argument("--json-out", help="default: benchmarks/results/depth.json (test split) or depth-<text>.json")
-    ap.add_argument("--md-out", help="default: docs/results-depth.md (test split) or results-depth-<text>.md")
+    ap.add_argument("--md-out", help="default: docs/results/depth.md (test split) or results-depth-<text>.md")
     ap.add_argument("--from-json", help="only re-render: apply the row renames to this JSON (in place) and "
                     "rewrite the markdown")
     args = ap.parse_args()

@@ -1,4 +1,4 @@
-"""The README's evaluation-protocol figures: the bundled model's own perplexity and brown_cloze accuracy.
+"""The evaluation-protocol figures (docs/results/eval.md; the commands are in the README): the bundled model's own perplexity and brown_cloze accuracy.
 
 Run (about 5 minutes on 2 cores)::
 

@@ -1,6 +1,6 @@
 """Healing SmolLM2-135M after removing 8 of 30 blocks: held-out ppl vs LoRA-KD steps and CPU time.
 
-Run (CPU; hours on a loaded 2-core machine, see docs/results-heal.md)::
+Run (CPU; hours on a loaded 2-core machine, see docs/results/heal.md)::
 
     # choices (lr, loss, rank) on the validation half of the held-out Brown files
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal.py --threads 1 --text bundled:brown-val
@@ -9,8 +9,8 @@ Run (CPU; hours on a loaded 2-core machine, see docs/results-heal.md)::
     # re-render the markdown from stored results, no training
     .venv/bin/python benchmarks/heal.py --from-json benchmarks/results/heal.json
 
-Prints a table, writes ``benchmarks/results/heal.json`` and ``docs/results-heal.md`` (for
-``--text bundled:brown-val``: ``heal-brown-val.json`` and ``docs/results-heal-brown-val.md``).
+Prints a table, writes ``benchmarks/results/heal.json`` and ``docs/results/heal.md`` (for
+``--text bundled:brown-val``: ``heal-brown-val.json`` and ``docs/results/heal-brown-val.md``).
 
 Students: the angular span (Gromov et al.) of 8 blocks chosen with ``layercut.compress.depth.prune``
 on ``--calib-samples`` × ``--calib-seq-len`` calibration tokens, removed by plain drop and
@@ -97,9 +97,9 @@ def recovered(ppl_before: float, ppl: float, ppl_original: float) -> dict[str, f
 
 def default_outputs(text: str) -> tuple[str, str]:
     if text in (DEFAULT_EVAL_TEXT, "bundled:brown-heldout"):  # heldout: results from before the val/test split
-        return str(ROOT / "benchmarks/results/heal.json"), str(ROOT / "docs/results-heal.md")
+        return str(ROOT / "benchmarks/results/heal.json"), str(ROOT / "docs/results/heal.md")
     slug = text.split(":", 1)[-1]
-    return str(ROOT / f"benchmarks/results/heal-{slug}.json"), str(ROOT / f"docs/results-heal-{slug}.md")
+    return str(ROOT / f"benchmarks/results/heal-{slug}.json"), str(ROOT / f"docs/results/heal-{slug}.md")
 
 
 def main() -> None:
@@ -124,7 +124,7 @@ def main() -> None:
                     help="torch threads (1: on a shared 2-core machine 2 threads ran ~5x slower per step)")
     ap.add_argument("--workdir", help="where the pruned students go (default: a temp dir)")
     ap.add_argument("--json-out", help="default: benchmarks/results/heal.json (test split) or heal-<text>.json")
-    ap.add_argument("--md-out", help="default: docs/results-heal.md (test split) or results-heal-<text>.md")
+    ap.add_argument("--md-out", help="default: docs/results/heal.md (test split) or results-heal-<text>.md")
     ap.add_argument("--from-json", help="only re-render the markdown from a previous JSON result")
     args = ap.parse_args()
     if args.from_json:

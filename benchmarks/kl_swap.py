@@ -3,7 +3,7 @@
 Run (after the quant rows; no quantization here, only reading)::
 
     python benchmarks/quant.py --text bundled:brown-val --only mixed-3.297-klswap-layer-s8   # the rows
-    python benchmarks/kl_swap.py            # -> benchmarks/results/kl_swap.json + docs/results-kl-swap.md
+    python benchmarks/kl_swap.py            # -> benchmarks/results/kl_swap.json + docs/results/kl-swap.md
 
 Reads ``benchmarks/results/quant-brown-val.json`` (validation) and ``quant.json`` (test), and each kl-swap
 row's ``allocation.json`` in the benchmark's work folder (``--work``, default the temp dir
@@ -201,7 +201,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "layercut-quant-bench"))
     ap.add_argument("--json-out", default=str(ROOT / "benchmarks/results/kl_swap.json"))
-    ap.add_argument("--md-out", default=str(ROOT / "docs/results-kl-swap.md"))
+    ap.add_argument("--md-out", default=str(ROOT / "docs/results/kl-swap.md"))
     args = ap.parse_args()
     data = collect(Path(args.work))
     Path(args.json_out).write_text(json.dumps(data, indent=1) + "\n")

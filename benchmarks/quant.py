@@ -11,8 +11,8 @@ interrupted run resumes when the same command runs again without ``--restart``):
     # re-render the markdown from a stored JSON (no quantization)
     .venv/bin/python benchmarks/quant.py --from-json benchmarks/results/quant.json
 
-Outputs: ``benchmarks/results/quant.json`` + ``docs/results-quant.md`` for the test split,
-``quant-brown-val.json`` + ``docs/results-quant-brown-val.md`` for another ``--text``.
+Outputs: ``benchmarks/results/quant.json`` + ``docs/results/quant.md`` for the test split,
+``quant-brown-val.json`` + ``docs/results/quant-brown-val.md`` for another ``--text``.
 
 Every quantizer gets the same calibration token batches (``bundled:brown-calib``,
 ``calibration_batch(seed=s)``, ``--samples`` × ``--seq-len``); rows marked with seeds run
@@ -775,7 +775,7 @@ solved in one GPTQ call (rows are independent given H). The default column order
 with static groups (`--act-order --static-groups`, both on by default): columns are taken in
 descending diag(H), group scales/zeros come from the original weight, so `g_idx = i // 64` and
 the checkpoint loads with `desc_act: false` everywhere. Column orders are compared on the
-validation split (`--text bundled:brown-val`, docs/results-quant-brown-val.md); the test split
+validation split (`--text bundled:brown-val`, docs/results/quant-brown-val.md); the test split
 only reports.
 
 **Scale search** (issue 26; `--scale-search`, `compress/quant/gptq.py`): when a group's scale and
@@ -863,11 +863,11 @@ def second_val_split() -> tuple[str, str]:
 
 def default_outputs(text: str) -> tuple[str, str]:
     if text.endswith("brown-val2.jsonl"):
-        return str(ROOT / "benchmarks/results/quant-brown-val2.json"), str(ROOT / "docs/results-quant-brown-val2.md")
+        return str(ROOT / "benchmarks/results/quant-brown-val2.json"), str(ROOT / "docs/results/quant-brown-val2.md")
     if text in (DEFAULT_EVAL_TEXT, "bundled:brown-heldout"):  # heldout: results from before the val/test split
-        return str(ROOT / "benchmarks/results/quant.json"), str(ROOT / "docs/results-quant.md")
+        return str(ROOT / "benchmarks/results/quant.json"), str(ROOT / "docs/results/quant.md")
     slug = _slug(text)
-    return str(ROOT / f"benchmarks/results/quant-{slug}.json"), str(ROOT / f"docs/results-quant-{slug}.md")
+    return str(ROOT / f"benchmarks/results/quant-{slug}.json"), str(ROOT / f"docs/results/quant-{slug}.md")
 
 
 def main() -> None:
@@ -891,7 +891,7 @@ def main() -> None:
     ap.add_argument("--restart", action="store_true", help="discard the JSON's rows and setup; start afresh")
     ap.add_argument("--json-out", help="default: benchmarks/results/quant.json for the test split, "
                     "quant-<text>.json otherwise")
-    ap.add_argument("--md-out", help="default: docs/results-quant.md (test) or results-quant-<text>.md")
+    ap.add_argument("--md-out", help="default: docs/results/quant.md (test) or results-quant-<text>.md")
     ap.add_argument("--from-json", help="only re-render the markdown (to --md-out) from this JSON")
     ap.add_argument("--forget", help="comma-separated stored runs (NAME/seedN) to remove from the JSON, e.g. runs "
                                      "made by a build later found wrong; then re-render and exit")

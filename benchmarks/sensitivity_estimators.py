@@ -150,7 +150,7 @@ def render(r: dict) -> str:
         lines.append(f"| {c} | {row['units']} | " + " | ".join(f"{row[k]:.2f}" for k in ESTIMATORS) + f" | {kinds} |")
     lines += ["", "The DP solved on each estimator's table, the choice scored by the exact table's additive sum "
                   "(uniform 3-bit g64 baseline KL + Σ exact Δ; the exact table's own additive sums are optimistic: "
-                  "see docs/results-mixed.md), without 4-bit g32:", "",
+                  "see docs/results/mixed.md), without 4-bit g32:", "",
               "| budget (bits/weight) | " + " | ".join(("exact",) + ESTIMATORS) + " |",
               "|---|" + "---:|" * (1 + len(ESTIMATORS))]
     for label, row in r.get("dp", {}).items():

@@ -36,7 +36,7 @@ rewritten atomically after each one. When the table is complete, the exact DP
 bits/weight, with and without 4-bit g32 (the bundled weights come from a Q4_1 g32 GGUF), and
 the chosen allocations are quantized and measured ("checks": additivity with the same
 Hessians, and a full sequential re-quantization). Writes ``benchmarks/results/
-sensitivity_exact.json`` and ``docs/results-mixed.md``.
+sensitivity_exact.json`` and ``docs/results/mixed.md``.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ from layercut.compress.quant.driver import (  # noqa: E402
 from layercut.compress.quant.sensitivity import AllocUnit, allocation_units, rank_correlation  # noqa: E402
 
 JSON_PATH = ROOT / "benchmarks" / "results" / "sensitivity_exact.json"
-DOC_PATH = ROOT / "docs" / "results-mixed.md"
+DOC_PATH = ROOT / "docs" / "results" / "mixed.md"
 MODEL = "bundled:smollm2-135m"
 BASE = (3, 64)
 # measurement order: the candidates the 3-bit-budget trades need most come first

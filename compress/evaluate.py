@@ -5,7 +5,7 @@ Usage::
     layercut eval bundled:smollm2-135m --json
     layercut eval OUT_DIR --reference bundled:smollm2-135m --ctx 512 --max-tokens 16384
 
-Protocol (documented in the README): the text's documents are joined with blank lines
+Protocol (documented in docs/eval.md): the text's documents are joined with blank lines
 and tokenized from the start, up to ``max_tokens`` tokens; the tokens are cut into
 non-overlapping windows of ``ctx``; each window runs as ``[BOS] + window`` when the
 tokenizer has a BOS token and every window token is scored, otherwise the window runs

@@ -90,7 +90,7 @@ class HealConfig(StageConfig, TextOptions):
     lr: float = Field(5e-4, gt=0, description="peak AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
     warmup: float = Field(0.05, ge=0.0, le=0.5, description="fraction of the steps with a linear warmup")
-    schedule: Literal["cosine", "constant"] = Field("constant", description="learning rate after the warmup (constant beat cosine on brown-val, 3 of 3 seeds: docs/results-heal-schedule-brown-val.md)")
+    schedule: Literal["cosine", "constant"] = Field("constant", description="learning rate after the warmup (constant beat cosine on brown-val, 3 of 3 seeds: docs/results/heal-schedule-brown-val.md)")
     grad_clip: float = Field(1.0, ge=0.0, description="largest gradient norm (0: no clipping)")
     targets: str = Field("all-linear", description="which linears get adapters: all-linear, mlp, attn, or a "
                                                    "comma list of a block's linears")

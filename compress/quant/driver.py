@@ -23,7 +23,7 @@ see the quantized block's outputs (Frantar et al. 2022, §4 "sequential").
 (attention, then MLP with inputs from the quantized attention) or ``"linear"`` (the
 reference "true sequential": qkv, o, gate_up, down each after the previous is quantized,
 4 passes). Each pass is a full block forward over the calibration set, which is what
-dominates wall time on CPU; see docs/results-quant.md for the measured trade-off.
+dominates wall time on CPU; see docs/results/quant.md for the measured trade-off.
 """
 
 from __future__ import annotations

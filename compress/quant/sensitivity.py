@@ -29,7 +29,7 @@ point and with one block in memory.
 
 How well the cheap measures rank like the exact KL table on SmolLM2 is measured in
 benchmarks/sensitivity_estimators.py against benchmarks/sensitivity_exact.py's table and
-reported in docs/results-mixed.md: across units at one fixed trade, Spearman 0.1–0.5 (the
+reported in docs/results/mixed.md: across units at one fixed trade, Spearman 0.1–0.5 (the
 exact table agrees with itself on other tokens at only 0.48). Scored by the exact table,
 the DP run on ``"loss"`` comes closest to the exact DP, and ``"loss"`` costs no forwards, so it
 is the command's default; ``"output"`` costs one block forward per unit and candidate. Use

@@ -17,7 +17,7 @@ Checks run before anything is loaded or written: settings, output location, toke
 configs, data. With ``teacher_topk`` (default 64; 0 turns it off) the teacher runs once over the data, is freed, and
 only then is the student loaded, so the two never need to fit in memory together. Rank,
 alpha, learning rate and loss default to what ``benchmarks/heal.py`` measured on SmolLM2
-with 8 blocks removed (``docs/results-heal.md``).
+with 8 blocks removed (``docs/results/heal.md``).
 """
 
 from __future__ import annotations
