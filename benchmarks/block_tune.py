@@ -13,7 +13,7 @@ Models: the bundled SmolLM2-135M (group size 64) and gemma-3-270m (group size 12
 GGUF that ``bash ../shared/models/gemma3-270m.sh`` assembles (``--gemma PATH``; the default is that
 script's output path; a missing file skips the model with a line saying so). Per model, width and
 calibration seed: ``layercut quantize MODEL --bits B`` (64 x 128 calibration tokens of
-bundled:brown-calib, the demo's) without and with each tuning config ``STEPS[xBATCH]@LR[/SCALE_LR][:float]``,
+bundled:brown-calib, the demo's) without and with each tuning config ``STEPS[xBATCH]@LR[/SCALE_LR][:TARGET][~LOSS]``,
 then ``layercut eval`` of each on ``--text`` (4,096 tokens, ctx 512, KL to the original model). Every
 command is one child process; its wall time, CPU time and peak RSS are measured here (``wait4``).
 Rows go to ``benchmarks/results/block_tune[-SPLIT].json`` (merged: rows not rerun are kept).
@@ -62,10 +62,11 @@ def _run_child(args: list[str]) -> tuple[dict, dict]:
 
 
 def parse_config(c: str) -> list[str]:
-    """``100x4@0.01/0.002:float`` (steps x batch @ lr / scale lr : target) -> the quantize flags;
+    """``100x4@0.01/0.002:float~channel`` (steps x batch @ lr / scale lr : target ~ loss) -> the quantize flags;
     ``none`` -> [] (plain GPTQ). Left out: the CLI default."""
     if c == "none":
         return []
+    c, _, loss = c.partition("~")
     c, _, target = c.partition(":")
     sb, _, lrs = c.partition("@")
     steps, _, batch = sb.partition("x")
@@ -74,6 +75,7 @@ def parse_config(c: str) -> list[str]:
     flags += ["--block-tune-lr", lr] if lr else []
     flags += ["--block-tune-scale-lr", slr] if slr else []
     flags += ["--block-tune-target", target] if target else []
+    flags += ["--block-tune-loss", loss] if loss else []
     return flags
 
 
@@ -159,7 +161,7 @@ def main() -> None:
     ap.add_argument("--gemma", default=str(GEMMA))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--bits", default="3,4")
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma list of STEPS[xBATCH]@LR[/SCALE_LR][:float] "
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma list of STEPS[xBATCH]@LR[/SCALE_LR][:TARGET][~LOSS] "
                                                                "(plain GPTQ always runs)")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=128)

@@ -13,7 +13,7 @@ import torch
 
 from layercut.calibrate.capture import run_blocks
 from layercut.calibrate.data import CalibSet
-from layercut.compress.quant.block_tune import BlockTune, TunedLinear, masked_mse, tune_block
+from layercut.compress.quant.block_tune import BlockTune, TunedLinear, channel_weights, masked_mse, tune_block
 from layercut.compress.quant.driver import SolverConfig, _BlockTuner, quantize_model
 from layercut.compress.quant.gptq import gptq_quantize, hessian_update
 from layercut.compress.quant.result import QuantizeResult
@@ -257,7 +257,40 @@ def test_a_subset_of_sequences_runs_like_the_whole_micro_batch(family):
         torch.testing.assert_close(part, whole, atol=1e-5, rtol=1e-5)
 
 
+def test_channel_loss_weighs_every_channel_alike():
+    """loss="channel": a channel 100x larger than the others (a residual stream's massive
+    activation) counts as much as any other, and padding does not enter the weights."""
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(2, 16, 8, generator=gen)
+    t[..., 3] *= 100.0
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[1, 10:] = False
+    t[1, 10:] = 1e6  # padding
+    w = channel_weights([t], [mask])
+    assert w.shape == (8,) and abs(float(w.mean()) - 1) < 1e-5
+    per_channel = (t[mask].pow(2).mean(0) * w)
+    torch.testing.assert_close(per_channel, per_channel.mean().expand(8), rtol=2e-3, atol=0)  # eps: 1e-6 of the mean
+    # The same relative error on the big channel and on a small one costs the same.
+    big, small = t.clone(), t.clone()
+    big[..., 3] *= 1.1
+    small[..., 0] *= 1.1
+    a, b = (float(masked_mse(x, t, mask, w)) for x in (big, small))
+    assert abs(a - b) < 0.35 * max(a, b)  # plain MSE: ~10,000x apart
+    assert float(masked_mse(big, t, mask)) > 100 * float(masked_mse(small, t, mask))
+
+
+def test_channel_loss_tunes_a_model():
+    ref = small_model("llama", layers=1)
+    calib = _calib(ref, n=4)
+    model = copy.deepcopy(ref)
+    r = quantize_model(model, calib, SolverConfig(bits=2, group_size=32, tune=BlockTune(steps=30, lr=0.01,
+                                                                                      loss="channel")),
+                       batch_size=2, progress=False)
+    assert r.tune_reports[0].kept and r.tune_reports[0].loss_tuned < r.tune_reports[0].loss_gptq
+
+
 @pytest.mark.parametrize("bad", [dict(optimizer="sgd"), dict(init="rtn"), dict(target="fp"), dict(batch=0),
+                                 dict(loss="l1"),
                                  dict(scale_lr=float("nan"))])
 def test_python_api_refuses_bad_settings(bad):
     from layercut.compress.errors import LayercutError
