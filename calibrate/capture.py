@@ -121,11 +121,13 @@ class BlockRun:
         return n > 1 and n != length
 
     @torch.no_grad()
-    def forward(self, hooks: dict[str, HookFn] | None = None) -> list[torch.Tensor]:
+    def forward(self, hooks: dict[str, HookFn] | None = None,
+                after_each: Callable[[int], None] | None = None) -> list[torch.Tensor]:
         """Run the block over every micro-batch with forward hooks on named submodules.
 
         ``hooks`` maps a dotted path inside the block (e.g. ``"mlp.down_proj"``) to
-        ``fn(batch_index, module_input, module_output)``. Returns the block outputs.
+        ``fn(batch_index, module_input, module_output)``. ``after_each(batch_index)`` runs once
+        each micro-batch's pass (and its hooks) is done. Returns the block outputs.
         """
         current = {"i": 0}
         handles = []
@@ -141,6 +143,8 @@ class BlockRun:
             for i in range(len(self.inputs)):
                 current["i"] = i
                 outs.append(self.call(i))
+                if after_each is not None:
+                    after_each(i)
         finally:
             for h in handles:
                 h.remove()

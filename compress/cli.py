@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = args.handler(args)
     except LayercutError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if not getattr(exc, "quiet", False):  # quiet: a torchrun rank other than 0 (rank 0 prints it)
+            print(f"error: {exc}", file=sys.stderr)
         if getattr(exc, "payload", None) is not None and getattr(args, "json", False):
             print(json.dumps(exc.payload, default=str))
         return exc.exit_code
@@ -152,9 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         logging.getLogger().removeHandler(handler)
         logging.getLogger().setLevel(level)
-    if result is not None:
+    if result is not None and not _secondary_rank():
         emit(result, getattr(args, "json", False))
     return 0
+
+
+def _secondary_rank() -> bool:
+    """Under torchrun, ranks other than 0 print no report: rank 0 prints it once."""
+    if os.environ.get("WORLD_SIZE", "1") in ("", "0", "1"):
+        return False  # outside torchrun (torch stays unimported here)
+    from layercut.compress.distributed import is_secondary
+
+    return is_secondary()
 
 
 if __name__ == "__main__":

@@ -148,6 +148,9 @@ class QuantizeConfig(StageConfig, TextOptions):
     block_tune_target: Literal["quantized", "float"] = Field(
         "float", description="block tuning: the float block's output on the quantized model's inputs "
                                  "(quantized) or on the float model's own (float)")
+    block_tune_loss: Literal["mse", "channel"] = Field(
+        "mse", description="block tuning: plain output MSE, or each hidden channel's error divided by its mean "
+                           "square in the target (channel)")
     # --- end block-wise reconstruction ---
     # --- head quantization (compress/quant/head.py) ---
     quantize_head: int | str | None = Field(
@@ -224,6 +227,18 @@ class QuantizeConfig(StageConfig, TextOptions):
             return None
         return parse_candidate(self.quantize_head, 128 if self.group_size is None else self.group_size)
 
+    def distributed_blocker(self) -> str | None:
+        """Why these options cannot run data-parallel under torchrun, or None when they can
+        (uniform bits, GPTQ or RTN, any ``sequential``; see compress/distributed.py)."""
+        if self.avg_bits is not None:
+            return "--avg-bits (bits chosen per unit) does not run under torchrun; use --bits, or one process"
+        if self.block_tune:
+            return ("--block-tune does not run under torchrun (it trains each block on the whole calibration set); "
+                    "run one process")
+        if self.quantize_head is not None:
+            return "--quantize-head does not run under torchrun (its Hessian is not shared); run one process"
+        return None
+
     def candidate_list(self) -> list[int]:
         """The candidate bit widths (of the listed pairs, or of the default set); kept for callers of
         the bits-only form — the allocation works on :meth:`candidate_pairs`."""
@@ -244,7 +259,7 @@ class QuantizeConfig(StageConfig, TextOptions):
 
         gs = 128 if self.group_size is None else self.group_size
         tune = BlockTune(steps=self.block_tune_steps, batch=self.block_tune_batch, lr=self.block_tune_lr, scale_lr=self.block_tune_scale_lr,
-                         target=self.block_tune_target, seed=self.seed) if self.block_tune else None
+                         target=self.block_tune_target, loss=self.block_tune_loss, seed=self.seed) if self.block_tune else None
         return SolverConfig(bits=self.bits or 4, group_size=gs, sym=self.sym,
                             act_order=self.act_order, static_groups=self.static_groups, group_aware=self.group_aware,
                             method=self.method, damp=self.damp, sequential=self.sequential,

@@ -39,7 +39,8 @@ from torch import Tensor, nn
 
 from layercut.calibrate.capture import BlockRun, first_tensor, run_blocks
 from layercut.calibrate.data import CalibSet
-from layercut.compress.arch import ArchSpec, arch_for, target_linears
+from layercut.compress.arch import ArchSpec, arch_for, get_submodule, target_linears
+from layercut.compress.distributed import Group
 from layercut.compress.errors import LayercutError
 from layercut.compress.lazy import trim_heap
 from layercut.compress.quant.block_tune import BlockTune, tune_block
@@ -328,12 +329,20 @@ class HessianSet:
 
     Each micro-batch's 2/m Σ x xᵀ is computed in float32 (the costly product, [in, in])
     and merged into a float64 running mean, so N never limits precision.
+
+    Under torchrun (``group``, with ``rounds`` = micro-batches of rank 0) each process runs its own
+    micro-batches (global k = round·W + rank); after every round the W micro-batch Hessians are
+    all-gathered and every process folds them in global order k, exactly as one process folds
+    its micro-batches one after another: the same float32 products, merged in the same order, so
+    the Hessians (and the solves) are bit-identical to a single process's.
     """
 
-    def __init__(self, run: BlockRun, groups: tuple[int, ...]):
+    def __init__(self, run: BlockRun, groups: tuple[int, ...], group: Group | None = None, rounds: int = 0):
         self.run, self.groups = run, groups
         self.H: dict[int, Tensor | None] = {g: None for g in groups}
         self.n: dict[int, int] = {g: 0 for g in groups}
+        self.group, self.rounds = group, rounds
+        self.pending: dict[int, tuple[Tensor, int]] = {}  # this round's micro-batch Hessian per group
 
     def hooks(self) -> dict:
         return {self.run.spec.groups[g][0]: self._hook(g) for g in self.groups}
@@ -341,20 +350,45 @@ class HessianSet:
     def _hook(self, g: int):
         def fn(i: int, x: Tensor, _y: Tensor) -> None:
             Hb, m = hessian_update(None, 0, x.float(), self.run.masks[i], dtype=torch.float32)
-            if m == 0:
+            if self.group is not None:  # folded with the other ranks' at the end of the round
+                self.pending[g] = (Hb, m)
                 return
-            n = self.n[g]
-            if self.H[g] is None:
-                self.H[g] = Hb.double()
-            else:  # H·n/(n+m) + Hb·m/(n+m), in place: no float64 copy of Hb
-                self.H[g].mul_(n / (n + m)).add_(Hb, alpha=m / (n + m))
-            del Hb
-            self.n[g] = n + m
+            self._fold(g, Hb, m)
 
         return fn
 
+    def _fold(self, g: int, Hb: Tensor, m: int) -> None:
+        if m == 0:
+            return
+        n = self.n[g]
+        if self.H[g] is None:
+            self.H[g] = Hb.double()
+        else:  # H·n/(n+m) + Hb·m/(n+m), in place: no float64 copy of Hb
+            self.H[g].mul_(n / (n + m)).add_(Hb, alpha=m / (n + m))
+        self.n[g] = n + m
+
     def collect(self) -> None:
-        self.run.forward(hooks=self.hooks())
+        if self.group is None:
+            self.run.forward(hooks=self.hooks())
+            return
+        self.run.forward(hooks=self.hooks(), after_each=lambda _i: self._exchange())
+        for _ in range(self.rounds - len(self.run.inputs)):  # ranks with one micro-batch fewer: empty rounds
+            self._exchange()
+
+    def _exchange(self) -> None:
+        """End of a round: every rank's pending micro-batch Hessian, folded in rank (= global) order."""
+        group, spec = self.group, self.run.spec
+        counts = group.all_gather(torch.tensor([self.pending.get(g, (None, 0))[1] for g in self.groups]))
+        for j, g in enumerate(self.groups):
+            Hb = self.pending.pop(g, (None, 0))[0]
+            ms = [int(c[j]) for c in counts]
+            if not any(ms):
+                continue
+            if Hb is None:  # no tokens here this round: a placeholder of the right shape
+                n_in = linear_weight(get_submodule(self.run.block, spec.groups[g][0]), spec.conv1d).shape[1]
+                Hb = torch.zeros(n_in, n_in, dtype=torch.float32, device=group.device)
+            for Hr, m in zip(group.all_gather(Hb), ms):
+                self._fold(g, Hr.to(Hb.device), m)
 
     def take(self, g: int, where: str) -> list[Tensor]:
         """Group g's Hessian as a one-element list the set no longer references (for
@@ -388,6 +422,7 @@ def quantize_model(
     after_block: Callable[[BlockRun, QuantizeResult], None] | None = None,
     probe: Callable[[list[str], list[Tensor], Tensor], None] | None = None,
     head: tuple[int, int] | None = None,
+    group: Group | None = None,
 ) -> QuantizeResult:
     """Quantize every target linear of ``model`` in place (weights ← dequantized GPTQ weights).
 
@@ -402,7 +437,10 @@ def quantize_model(
     group's float weights and Hessian just before their solve and must leave both unchanged
     (:mod:`layercut.compress.quant.refine` re-solves other candidates there). ``head`` = (bits,
     group size) also quantizes the untied output head after the last block
-    (:mod:`layercut.compress.quant.head`).
+    (:mod:`layercut.compress.quant.head`). ``group`` (under torchrun, :mod:`layercut.compress.distributed`):
+    this process runs its share of ``calib``'s micro-batches (``group.shard_rows``), the Hessians are
+    gathered and folded in the single-process order (:class:`HessianSet`), and every process solves
+    every linear identically; ``calib`` must be the same on every rank.
     """
     from layercut.compress.quant.head import check_head, head_hessian, quantize_head
 
@@ -423,6 +461,13 @@ def quantize_model(
 
     if calib is None:
         raise LayercutError("quantize: GPTQ needs calibration data")
+    rounds = 0
+    if group is not None:
+        if cfg.tune is not None or head is not None or probe is not None:
+            raise LayercutError("quantize: block tuning, the head and probes do not run under torchrun")
+        rows = group.shard_rows(calib.num_samples, batch_size)
+        rounds = group.rounds(math.ceil(calib.num_samples / batch_size))
+        calib = CalibSet(calib.input_ids[rows], calib.attention_mask[rows])
     by_block: dict[int, list[tuple[int, str, nn.Module]]] = {}
     for i, g, name, module in targets:
         by_block.setdefault(i, []).append((g, name, module))
@@ -436,7 +481,7 @@ def quantize_model(
             stage = tuple(g for g in stage if g < len(spec.groups))
             if not stage:
                 continue
-            hs = HessianSet(run, stage)
+            hs = HessianSet(run, stage, group, rounds)
             hs.collect()
             for g in stage:
                 items = [(name, module) for gg, name, module in by_block[run.index] if gg == g]

@@ -90,6 +90,13 @@ def write_block_fn(lazy: LazyModel, writer, save_dtype: torch.dtype) -> Callable
     return write_block
 
 
+def discard_block(run: BlockRun, result: QuantizeResult) -> None:
+    """The ``after_block`` callback of a process that writes nothing (a torchrun rank other than 0):
+    drop the packed tensors, as :func:`write_block_fn` does once they are written."""
+    for ql in result.layers.values():
+        ql.tensors = {}
+
+
 def cast_in_place(tensor: torch.Tensor, dtype: torch.dtype, chunk: int = 1 << 22) -> torch.Tensor:
     """``tensor.to(dtype)``, converted inside ``tensor``'s own buffer when both dtypes have one
     element size (bf16 ↔ fp16: a 128k-vocabulary embedding is not held twice); ``tensor``

@@ -45,15 +45,19 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from layercut.compress.devices import on_device, resolve_device
 from layercut.compress.errors import LayercutError
 from layercut.compress.quant.config import QuantizeConfig
 from layercut.compress.stages.base import RunEnv, strip_volatile
 
+if TYPE_CHECKING:  # torch-free at import, as the other stage modules
+    from layercut.compress.distributed import Group
+
 
 def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = True, after_block=None,
-          stream=None):
+          stream=None, group: Group | None = None, calib=None):
     """The shared core: choose (bits, group size) per unit (with ``avg_bits``) and quantize ``net`` in place.
 
     Returns (QuantizeResult, report, allocation or None, allocation.json text or None); the
@@ -61,6 +65,8 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
     ``stream``: a :class:`layercut.compress.quant.mixed_stream.StreamedOutputs` when ``net`` is a lazily
     loaded model and ``avg_bits`` is set: the mixed (and uniform) checkpoints are written block
     by block there and the fallback check streams; ``stream.keep`` is left to the caller.
+    ``group`` (under torchrun, uniform bits only): this process's place; ``calib``: the calibration
+    set already drawn (the same on every rank), else drawn here.
     """
     from dataclasses import replace
 
@@ -93,14 +99,15 @@ def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = Tr
                        if cfg.scale_search != "none" else {}),
                     "refit_scales": cfg.refit_scales,
                     **({"block_tune": {"steps": cfg.tune.steps, "batch": cfg.tune.batch, "lr": cfg.tune.lr, "scale_lr": cfg.tune.scale_lr,
-                                       "target": cfg.tune.target}} if cfg.tune is not None else {}),
+                                       "target": cfg.tune.target, "loss": cfg.tune.loss}} if cfg.tune is not None else {}),
                     "calib": config.text_label(),
                     "samples": config.samples, "seq_len": config.seq_len}
     if not mixed:
-        calib = calibration_batch(tokenizer, config.text_sources(), samples=config.samples, seq_len=config.seq_len,
-                                  seed=seed)
+        if calib is None:
+            calib = calibration_batch(tokenizer, config.text_sources(), samples=config.samples,
+                                      seq_len=config.seq_len, seed=seed)
         result = quantize_model(net, calib if config.method == "gptq" else None, cfg, batch_size=config.batch_size,
-                                device=device, progress=progress, after_block=after_block, head=head)
+                                device=device, progress=progress, after_block=after_block, head=head, group=group)
         report.update(bits=config.bits, avg_bits=result.avg_bits(), quantize_seconds=result.seconds,
                       solve_seconds=result.solve_seconds, linears=len(result.body()), tokens=result.tokens,
                       bits_per_layer={"all linears": config.bits},
@@ -153,6 +160,7 @@ def run(config: QuantizeConfig, source: str | Path, output: str | Path, env: Run
     Report: achieved average bits, per-unit bits, timings; ``quantize.json`` in the
     checkpoint holds the same minus timings and paths.
     """
+    from layercut.compress.distributed import same_on_every_rank, world_from_env
     from layercut.compress.errors import LayercutError
     from layercut.compress.models import load_model, resolve_model
     from layercut.compress.options import torch_dtype
@@ -162,13 +170,16 @@ def run(config: QuantizeConfig, source: str | Path, output: str | Path, env: Run
     from layercut.export.export import is_quantized
 
     env = env or RunEnv()
-    config.core().check()
-    check_output_dir(output, env.overwrite)
-    path = resolve_model(source)
-    if is_quantized(path):
-        raise LayercutError(f"quantize: {path} is already quantized (config.json has a quantization_config); "
-                            "quantize the dense original")
+    with same_on_every_rank():  # under torchrun every process checks; rank 0 alone prints the error
+        config.core().check()
+        check_output_dir(output, env.overwrite)
+        path = resolve_model(source)
+        if is_quantized(path):
+            raise LayercutError(f"quantize: {path} is already quantized (config.json has a quantization_config); "
+                                "quantize the dense original")
     start = time.perf_counter()
+    if world_from_env()[1] > 1:  # torchrun: data-parallel calibration (docs/architecture.md)
+        return _run_shared(config, source, path, output, env, start)
     streamable = config.avg_bits is None or config.sensitivity != "kl"  # the exact KL needs the whole model
     lazy = load_streamed(path, config.dtype, env, config.whole_model or not streamable, "quantize")
     if lazy is not None:  # one block in memory: quantized, written and freed at its turn
@@ -188,9 +199,10 @@ def run(config: QuantizeConfig, source: str | Path, output: str | Path, env: Run
     return {"model": str(source), "output": str(output), **report, "seconds": time.perf_counter() - start}
 
 
-def _run_streamed(lazy, path: Path, config: QuantizeConfig, folder: Path, env: RunEnv) -> dict:
+def _run_streamed(lazy, path: Path, config: QuantizeConfig, folder: Path, env: RunEnv, **shared) -> dict:
     """GPTQ or RTN over a lazily loaded model, written block by block into ``folder``: uniform
-    bits, or bits per unit (the mixed and uniform candidates each written as they go)."""
+    bits, or bits per unit (the mixed and uniform candidates each written as they go).
+    ``shared``: ``group`` and ``calib`` under torchrun (uniform bits), for :func:`apply`."""
     from layercut.compress.models import load_tokenizer
     from layercut.compress.options import torch_dtype
     from layercut.compress.quant.mixed_stream import StreamedOutputs
@@ -210,10 +222,59 @@ def _run_streamed(lazy, path: Path, config: QuantizeConfig, folder: Path, env: R
         return report
     writer = ShardWriter(folder, "2GB", always_index=True)
     result, report, _, _ = apply(lazy.model, tokenizer, config, config.seed, env.progress,
-                                 after_block=write_block_fn(lazy, writer, save_dtype))
+                                 after_block=write_block_fn(lazy, writer, save_dtype), **shared)
     extra = {"quantize.json": json.dumps(strip_volatile(report), indent=2, default=str) + "\n"}
     write_rest(lazy, result, writer, folder, save_dtype, extra)
     return report
+
+
+def _run_shared(config: QuantizeConfig, source, path: Path, output, env: RunEnv, start: float) -> dict:
+    """``run`` under torchrun: every process draws the same calibration set and checks that all agree
+    (model, options, output, a hash of the calibration tokens), runs its share of the micro-batches
+    through each block (Hessians gathered, :class:`layercut.compress.quant.driver.HessianSet`) and
+    solves identically; rank 0 alone writes the output (atomically), the others wait at a barrier."""
+    from dataclasses import replace
+
+    from layercut.calibrate.data import calibration_batch
+    from layercut.compress.distributed import process_group, same_on_every_rank, tensor_digest
+    from layercut.compress.models import load_model, load_tokenizer
+    from layercut.compress.options import torch_dtype
+    from layercut.compress.quant.checkpoint import write_quantized_into
+    from layercut.compress.quant.stream import discard_block
+    from layercut.compress.stages.base import load_streamed
+    from layercut.export.checkpoint import atomic_dir
+
+    with process_group(resolve_device(config.device)) as group:
+        tokenizer = load_tokenizer(path, env.trust_remote_code)
+        calib = calibration_batch(tokenizer, config.text_sources(), samples=config.samples, seq_len=config.seq_len,
+                                  seed=config.seed)
+        group.check_agree("quantize", {"model": str(path), "options": config.model_dump_json(),
+                                       "output": str(Path(output).resolve()),
+                                       "calibration tokens": tensor_digest(calib.input_ids, calib.attention_mask)})
+        with same_on_every_rank():
+            reason = config.distributed_blocker()
+            if reason is not None:
+                raise LayercutError(f"quantize: {reason}")
+        env = replace(env, progress=env.progress and group.rank == 0)
+        lazy = load_streamed(path, config.dtype, env, config.whole_model, "quantize")
+        if lazy is not None and group.rank == 0:
+            with atomic_dir(output, env.overwrite) as tmp:
+                report = _run_streamed(lazy, path, config, Path(tmp), env, group=group, calib=calib)
+        elif lazy is not None:  # the same blocks, solved alike, written by rank 0 only
+            _, report, _, _ = apply(lazy.model, tokenizer, config, config.seed, False, after_block=discard_block,
+                                    group=group, calib=calib)
+        else:
+            net, tokenizer = load_model(path, dtype=torch_dtype(config.dtype, path),
+                                        trust_remote_code=env.trust_remote_code)
+            result, report, _, _ = apply(net, tokenizer, config, config.seed, env.progress, group=group, calib=calib)
+            if group.rank == 0:
+                extra = {"quantize.json": json.dumps(strip_volatile(report), indent=2, default=str) + "\n"}
+                with atomic_dir(output, env.overwrite) as tmp:
+                    write_quantized_into(net, tokenizer, result, Path(tmp), dtype=torch_dtype(config.save_dtype),
+                                         extra_files=extra)
+        group.barrier()  # the output exists (renamed into place by rank 0) when any process returns
+    return {"model": str(source), "output": str(output), **report, "processes": group.world,
+            "seconds": time.perf_counter() - start}
 
 
 def _plot(alloc, folder: Path, config: QuantizeConfig, report: dict) -> None:
