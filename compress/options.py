@@ -38,6 +38,8 @@ class StageConfig(BaseModel):
     # CLI help: one line, and one or two example command lines (set by each stage)
     help: ClassVar[str] = ""
     examples: ClassVar[tuple[str, ...]] = ()
+    # The options `--help` lists first; when set, every other option goes under "advanced options"
+    everyday: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def option_names(cls) -> list[str]:

@@ -298,3 +298,37 @@ def test_recipe_imports_no_stage_module():
             "print(sorted(m for m in sys.modules if m.startswith('layercut.compress.stages.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_quantize_help_shows_the_everyday_options_first():
+    """`quantize --help`: at most 15 options before the advanced group, every option still listed."""
+    from layercut.compress.quant.config import QuantizeConfig
+    from layercut.compress.stages.flags import add_config_args
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("-o", "--output")
+    add_config_args(parser, QuantizeConfig)
+    text = parser.format_help()
+    main, _, advanced = text.split("options:", 1)[1].partition("advanced options:")
+    assert advanced, "no advanced group"
+
+    def flags(part: str) -> set[str]:
+        lines = [line.split()[:2] for line in part.splitlines() if line.startswith("  -")]
+        return {w.rstrip(",") for ws in lines for w in ws if w.startswith("--")}
+
+    first = [line for line in main.splitlines() if line.startswith("  -")]
+    assert len(first) <= 15 - 3, first  # the CLI adds --overwrite, --trust-remote-code and --json
+    for name in QuantizeConfig.option_names():
+        flag = "--" + name.replace("_", "-")
+        assert (flag in flags(main)) == (name in QuantizeConfig.everyday), name
+        assert flag in flags(main) | flags(advanced), name
+
+
+def test_everyday_must_name_options():
+    from layercut.compress.stages.flags import add_config_args
+
+    class Broken(ExportStage):
+        everyday: typing.ClassVar[tuple[str, ...]] = ("no_such_option",)
+
+    with pytest.raises(ValueError, match="no_such_option"):
+        add_config_args(argparse.ArgumentParser(), Broken)

@@ -60,6 +60,8 @@ class QuantizeConfig(StageConfig, TextOptions):
         "layercut quantize bundled:smollm2-135m -o q4 --bits 4 --group-size 64",
         "layercut quantize ./pruned -o mixed --avg-bits 3.5 --candidates 3g64,3g128,4g64,4ch,8ch",
     )
+    everyday: ClassVar[tuple[str, ...]] = ("bits", "avg_bits", "group_size", "method", "block_tune", "calib",
+                                           "samples", "seed", "device", "dtype")
 
     stage: Literal["quantize"] = "quantize"
     bits: int | None = Field(None, description="uniform bits per weight: 2, 3, 4 or 8 (give this or --avg-bits)",

@@ -79,7 +79,13 @@ def cli_default(cls: type[StageConfig], name: str) -> Any:
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type[StageConfig]) -> None:
-    """One flag per field of ``cls`` (``stage`` excluded); defaults are left to the config."""
+    """One flag per field of ``cls`` (``stage`` excluded); defaults are left to the config. With
+    ``cls.everyday`` set, the other options are listed under "advanced options"."""
+    unknown = set(cls.everyday) - set(cls.option_names())
+    if unknown:
+        raise ValueError(f"{cls.__name__}.everyday names no option: {sorted(unknown)}")
+    advanced = parser.add_argument_group("advanced options", "research knobs; the defaults were chosen on "
+                                         "validation text") if cls.everyday else parser
     for name in cls.option_names():
         field = cls.model_fields[name]
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
@@ -98,7 +104,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type[StageConfig]) -> 
             short = {int: "N", float: "X"}.get(members[0]) if len(members) == 1 else None
             kw.update(type=_parser_for(members), metavar=extra.get("metavar", short or name.upper()),
                       help=f"{help_text} (default: {_show(default)})")
-        parser.add_argument(*names, **kw)
+        (parser if name in cls.everyday else advanced).add_argument(*names, **kw)
 
 
 def config_from_args(cls: type[StageConfig], args: argparse.Namespace) -> StageConfig:
