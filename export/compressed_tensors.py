@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from layercut.compress.errors import LayercutError
+from layercut.compress.quant.pack import pack_rows
 
 FORMAT = "pack-quantized"
 
@@ -69,9 +70,7 @@ def check_ct_source(config: dict[str, Any], src: Path) -> None:
 
 def _pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [n, m] in [0, 2**bits) -> int32 [ceil(n*bits/32), m], packed along dim 0 (GPTQ's stream)."""
-    from layercut.compress.quant.pack import _pack_rows
-
-    return _pack_rows(codes, bits)
+    return pack_rows(codes, bits)
 
 
 def convert_linear(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,

@@ -56,7 +56,7 @@ def _to_int32(words: Tensor) -> Tensor:
     return torch.where(words >= (1 << 31), words - (1 << 32), words).to(torch.int32)
 
 
-def _pack_rows(codes: Tensor, bits: int) -> Tensor:
+def pack_rows(codes: Tensor, bits: int) -> Tensor:
     """Pack codes along dim 0 as a little-endian bit stream.
 
     codes: [n, m] ints in [0, 2**bits)  ->  words: [ceil(n*bits/32), m] int32
@@ -78,7 +78,7 @@ def _pack_rows(codes: Tensor, bits: int) -> Tensor:
 
 
 def _unpack_rows(words: Tensor, bits: int, n: int) -> Tensor:
-    """Inverse of :func:`_pack_rows`. words: [ceil(n*bits/32), m] int32 -> codes [n, m] int32."""
+    """Inverse of :func:`pack_rows`. words: [ceil(n*bits/32), m] int32 -> codes [n, m] int32."""
     w = words.to(torch.int64) & _MASK32
     w = torch.cat([w, torch.zeros_like(w[:1])], dim=0)  # room for the spill read
     offset = torch.arange(n, device=words.device) * bits
@@ -98,7 +98,7 @@ def _apply_v1_offset(qzeros_v2: Tensor, bits: int, out_features: int, sign: int)
     """Subtract (sign=-1) or add (sign=+1) one to every packed zero point, GPTQModel's way."""
     if bits == 3:  # per field, mod 8 (fields straddle words)
         codes = _unpack_rows(qzeros_v2.T, bits, out_features)
-        return _pack_rows((codes + sign) & 0x7, bits).T.contiguous()
+        return pack_rows((codes + sign) & 0x7, bits).T.contiguous()
     words = (qzeros_v2.to(torch.int64) & _MASK32) + sign * _ones_pattern(bits)
     return _to_int32(words)
 
@@ -135,12 +135,12 @@ def pack_gptq(q: Tensor, zeros: Tensor, scales: Tensor, g_idx: Tensor, bits: int
     if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
         raise LayercutError(f"pack_gptq: g_idx values must lie in [0, {groups})")
 
-    # [in*bits/32, out], in slices of output columns: _pack_rows's int64 temporaries stay ≤ 32 MB each
+    # [in*bits/32, out], in slices of output columns: pack_rows's int64 temporaries stay ≤ 32 MB each
     # (codes of different columns never share a word, so the slices pack independently)
     step = max(1, SLICE_ELEMENTS // max(in_features, 1))
-    qweight = torch.cat([_pack_rows(q[j : j + step].T, bits) for j in range(0, out_features, step)], dim=1) \
-        if out_features > step else _pack_rows(q.T, bits)
-    qzeros_v2 = _pack_rows(zeros.T, bits).T.contiguous()  # [groups, out*bits/32]
+    qweight = torch.cat([pack_rows(q[j : j + step].T, bits) for j in range(0, out_features, step)], dim=1) \
+        if out_features > step else pack_rows(q.T, bits)
+    qzeros_v2 = pack_rows(zeros.T, bits).T.contiguous()  # [groups, out*bits/32]
     return {
         "qweight": qweight.contiguous(),
         "qzeros": _apply_v1_offset(qzeros_v2, bits, out_features, sign=-1),
