@@ -40,7 +40,7 @@ from _results import write_merged  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 GEMMA = Path.home() / ".cache" / "layercut-dev" / "gemma-3-270m-q4_k_m.gguf"
 GROUP_SIZE = {"smollm2": 64, "gemma3": 128}
-DEFAULT_CONFIGS = "100x4@0.003"
+DEFAULT_CONFIGS = "100x4@0.003~channel"
 
 
 def _run_child(args: list[str]) -> tuple[dict, dict]:
@@ -63,7 +63,7 @@ def _run_child(args: list[str]) -> tuple[dict, dict]:
 
 def parse_config(c: str) -> list[str]:
     """``100x4@0.01/0.002:float~channel`` (steps x batch @ lr / scale lr : target ~ loss) -> the quantize flags;
-    ``none`` -> [] (plain GPTQ). Left out: the CLI default."""
+    ``none`` -> [] (plain GPTQ). Left out: the CLI default, except the loss: mse."""
     if c == "none":
         return []
     c, _, loss = c.partition("~")
@@ -75,7 +75,7 @@ def parse_config(c: str) -> list[str]:
     flags += ["--block-tune-lr", lr] if lr else []
     flags += ["--block-tune-scale-lr", slr] if slr else []
     flags += ["--block-tune-target", target] if target else []
-    flags += ["--block-tune-loss", loss] if loss else []
+    flags += ["--block-tune-loss", loss or "mse"]  # no ~LOSS: mse, as the rows stored before channel became the default
     return flags
 
 

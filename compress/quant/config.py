@@ -151,8 +151,9 @@ class QuantizeConfig(StageConfig, TextOptions):
         "float", description="block tuning: the float block's output on the quantized model's inputs "
                                  "(quantized) or on the float model's own (float)")
     block_tune_loss: Literal["mse", "channel"] = Field(
-        "mse", description="block tuning: plain output MSE, or each hidden channel's error divided by its mean "
-                           "square in the target (channel)")
+        "channel", description="block tuning: each hidden channel's squared error divided by its mean square in "
+                               "the target (channel; a residual stream's energy sits in a few channels), or the "
+                               "plain output MSE")
     # --- end block-wise reconstruction ---
     # --- head quantization (compress/quant/head.py) ---
     quantize_head: int | str | None = Field(
