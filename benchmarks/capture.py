@@ -35,7 +35,7 @@ def child(mode: str, samples: int, seq_len: int, batch_size: int) -> dict:
     from layercut.calibrate.capture import run_blocks
     from layercut.calibrate.data import calibration_batch
     from layercut.calibrate.stats import CosineStats, GramStats
-    from layercut.compress.models import load_model, resolve_model, weight_bytes
+    from layercut.compress.io.models import load_model, resolve_model, weight_bytes
 
     model, tok = load_model(MODEL)
     out = {"mode": mode, "dense_bytes": weight_bytes(resolve_model(MODEL))}

@@ -114,7 +114,7 @@ def quality(report: dict, run_dir: Path) -> dict:
 
 
 def measure(name: str, recipe: str, work: Path, long_tokens: int, threads: int | None) -> dict:
-    from layercut.compress.recipe import Recipe
+    from layercut.compress.workflow.recipe import Recipe
 
     run_dir, log = work / name, work / f"{name}.log"
     load_before = os.getloadavg()
@@ -176,8 +176,8 @@ def choice_table(choice: dict) -> str:
 
 
 def main_measure(args: argparse.Namespace) -> None:
-    from layercut.compress.pipeline import summary_table
-    from layercut.compress.recipe import Recipe
+    from layercut.compress.workflow.pipeline import summary_table
+    from layercut.compress.workflow.recipe import Recipe
 
     names = args.only.split(",") if args.only else list(RECIPES)
     out = Path(args.json_out)
@@ -185,7 +185,7 @@ def main_measure(args: argparse.Namespace) -> None:
     data.setdefault("runs", {})
     model = Recipe.from_yaml(ROOT / RECIPES[names[0]]).model
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", f"from layercut.compress.models import resolve_model; resolve_model({model!r})"],
+    subprocess.run([sys.executable, "-c", f"from layercut.compress.io.models import resolve_model; resolve_model({model!r})"],
                    cwd=ROOT, check=True)
     data.update(machine=f"{platform.machine()}, {os.cpu_count()} CPU cores", convert_s=time.perf_counter() - t0)
     work = Path(args.work or tempfile.mkdtemp(prefix="layercut-demo-"))
@@ -206,7 +206,7 @@ def candidate_recipe(name: str) -> dict:
     """The demo recipe with the candidate's knobs, evaluated on the validation text."""
     import yaml
 
-    from layercut.compress.recipe import Recipe
+    from layercut.compress.workflow.recipe import Recipe
 
     data = yaml.safe_load((ROOT / RECIPES["prune-heal"]).read_text())  # the former demo's knobs
     for item in data["stages"]:
@@ -225,7 +225,7 @@ def _reuse(done: dict[str, list], stages: list[dict], run_dir: Path) -> bool:
     An existing ``run_dir`` keeps its stages up to the first that differs; a new one copies
     those of the finished run sharing the most leading stages.
     """
-    from layercut.compress.pipeline import stage_dir_name
+    from layercut.compress.workflow.pipeline import stage_dir_name
 
     def common(prev: list[dict]) -> int:
         return next((i for i, (a, b) in enumerate(zip(stages, prev)) if a != b), min(len(stages), len(prev)))
@@ -247,7 +247,7 @@ def _reuse(done: dict[str, list], stages: list[dict], run_dir: Path) -> bool:
 def main_choose(args: argparse.Namespace) -> None:
     import yaml
 
-    from layercut.compress.recipe import Recipe
+    from layercut.compress.workflow.recipe import Recipe
 
     work = Path(args.work or "/tmp/layercut-demo-choice")
     work.mkdir(parents=True, exist_ok=True)

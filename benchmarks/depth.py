@@ -47,7 +47,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from layercut.calibrate import DEFAULT_EVAL_TEXT  # noqa: E402
 from layercut.calibrate.capture import run_blocks  # noqa: E402
 from layercut.calibrate.data import calibration_batch  # noqa: E402
-from layercut.compress.arch import (
+from layercut.compress.core.arch import (
     arch_for,  # noqa: E402
     count_params,
 )
@@ -56,8 +56,8 @@ from layercut.compress.depth.cores import runs_of  # noqa: E402
 from layercut.compress.depth.fuse import CoeffFitter, apply_fuse, plan_groups  # noqa: E402
 from layercut.compress.depth.replace import SpanFitter, merge_maps, plan_spans  # noqa: E402
 from layercut.compress.depth.sublayers import drop_sublayers  # noqa: E402
-from layercut.compress.evaluate import evaluate
-from layercut.compress.models import load_model, resolve_model  # noqa: E402
+from layercut.compress.eval.evaluate import evaluate
+from layercut.compress.io.models import load_model, resolve_model  # noqa: E402
 from layercut.compress.select import compute_scores, gate_norm_scores, select_blocks, select_sublayers  # noqa: E402
 from layercut.compress.select.cores import lowest  # noqa: E402
 

@@ -37,7 +37,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from layercut.compress.quant.gptq import gptq_quantize, hessian_update, layer_loss, rtn_quantize  # noqa: E402
+from layercut.compress.quant.solve.gptq import gptq_quantize, hessian_update, layer_loss, rtn_quantize  # noqa: E402
 
 SETTINGS = [  # bits, group_size, sym, act_order, static_groups
     (4, 128, False, False, False),

@@ -33,8 +33,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from layercut.calibrate.data import calibration_batch  # noqa: E402
 from layercut.calibrate.stats import GramStats  # noqa: E402
 from layercut.compress.depth.prune import prune_model  # noqa: E402
-from layercut.compress.evaluate import evaluate  # noqa: E402
-from layercut.compress.models import load_model  # noqa: E402
+from layercut.compress.eval.evaluate import evaluate  # noqa: E402
+from layercut.compress.io.models import load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32}

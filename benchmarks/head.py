@@ -25,9 +25,9 @@ model; the blocks do not see the head, so every row of (s, B) has the same block
 * ``tied``: the bundled tied model with those blocks (the head is the fp16 embedding);
 * ``untied-dense``: untied, the head dense (fp16);
 * ``untied-8g64`` / ``untied-4g64``: untied, the head GPTQ-quantized on the final-norm outputs
-  of the quantized blocks (:func:`layercut.compress.quant.head.quantize_head`).
+  of the quantized blocks (:func:`layercut.compress.quant.solve.head.quantize_head`).
 
-Each checkpoint is written by :func:`~layercut.compress.quant.checkpoint.save_quantized`, read
+Each checkpoint is written by :func:`~layercut.compress.quant.format.checkpoint.save_quantized`, read
 back by ``load_quantized`` and scored on the first ``--max-tokens`` tokens of ``--text`` (ctx
 512): perplexity and KL(fp32 tied model ‖ checkpoint). "MB" is the safetensors files' size.
 """
@@ -101,14 +101,14 @@ def run_seed(args, seed: int, bits: int, fp, tok, ref, work: Path) -> dict:
     import torch
 
     from layercut.calibrate.data import calibration_batch
-    from layercut.compress.evaluate import evaluate
-    from layercut.compress.quant.checkpoint import save_quantized
-    from layercut.compress.quant.driver import SolverConfig, quantize_model
-    from layercut.compress.quant.head import head_hessian, quantize_head
-    from layercut.compress.quant.loader import load_quantized
-    from layercut.compress.quant.mixed import load_weights
-    from layercut.compress.quant.qlinear import QuantLinear
-    from layercut.compress.quant.result import QuantizeResult
+    from layercut.compress.eval.evaluate import evaluate
+    from layercut.compress.quant.format.checkpoint import save_quantized
+    from layercut.compress.quant.format.loader import load_quantized
+    from layercut.compress.quant.format.qlinear import QuantLinear
+    from layercut.compress.quant.format.result import QuantizeResult
+    from layercut.compress.quant.search.mixed import load_weights
+    from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+    from layercut.compress.quant.solve.head import head_hessian, quantize_head
 
     calib = calibration_batch(tok, args.calib, samples=args.samples, seq_len=args.seq_len, seed=seed)
     cfg = SolverConfig(bits=bits, group_size=GS, act_order=True, static_groups=True)
@@ -191,7 +191,7 @@ def main() -> None:
 
     import torch
 
-    from layercut.compress.models import load_model
+    from layercut.compress.io.models import load_model
 
     torch.set_num_threads(THREADS)
     slug = args.text.split(":", 1)[-1]

@@ -51,9 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from layercut.calibrate import DEFAULT_CALIB_TEXT, DEFAULT_EVAL_TEXT  # noqa: E402
-from layercut.compress.evaluate import evaluate  # noqa: E402
-from layercut.compress.models import load_model  # noqa: E402
-from layercut.compress.stages.prune import prune
+from layercut.compress.eval.evaluate import evaluate  # noqa: E402
+from layercut.compress.io.models import load_model  # noqa: E402
+from layercut.compress.workflow.stages.prune import prune
 from layercut.heal import train as heal_train  # noqa: E402
 from layercut.heal.config import HealConfig  # noqa: E402
 from layercut.heal.data import build_topk_cache  # noqa: E402

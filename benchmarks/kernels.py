@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from layercut.compress.kernels import ops  # noqa: E402
-from layercut.compress.quant.pack import dequantize_gptq, packed_rows  # noqa: E402
+from layercut.compress.quant.format.pack import dequantize_gptq, packed_rows  # noqa: E402
 
 # (name, in, out, count per block): the projections of one transformer block
 MODELS = {

@@ -87,7 +87,7 @@ def exact_bound() -> dict | None:
     alone from uniform 3g64, 2,048 held-apart tokens) promises at uniform-3g64 bytes if swaps added
     up, against what its DP plans measured when quantized; and the exchange rate between promotions
     and demotions, per Mbit (costs as the writer counts them)."""
-    from layercut.compress.quant.allocate import Unit, allocate_bits
+    from layercut.compress.quant.search.allocate import Unit, allocate_bits
 
     if not EXACT.is_file():
         return None
@@ -118,7 +118,7 @@ def exact_bound() -> dict | None:
 
 
 def collect(work: Path) -> dict:
-    from layercut.compress.models import resolve_model
+    from layercut.compress.io.models import resolve_model
 
     cfg = json.loads((resolve_model("bundled:smollm2-135m") / "config.json").read_text())
     out: dict = {}

@@ -17,7 +17,7 @@ Models, all stored in bf16:
 - ``smollm2-135m``: the bundled model, converted from its GGUF to bf16;
 - ``llama3-1b``, ``llama3-3b``: Llama-3.2-1B / 3B shapes (128,256-token vocabulary, tied
   embeddings) with random weights, written one tensor at a time by
-  :class:`layercut.export.shards.ShardWriter` under ``$LAYERCUT_CACHE/bench-models``. Random
+  :class:`layercut.compress.core.shards.ShardWriter` under ``$LAYERCUT_CACHE/bench-models``. Random
   weights are valid for memory and time, not for quality. They use SmolLM2's tokenizer
   (its ids are a subset of the vocabulary).
 
@@ -29,7 +29,7 @@ child's ``ru_maxrss`` (the whole process: Python, torch and transformers include
 Stages measured, each through its stage's ``run`` (what ``layercut <stage>`` calls);
 heal loads the whole model (it does not stream yet):
 - ``eval-streamed``: perplexity and exact KL to a reference (the same checkpoint), one
-  block in memory at a time (the default; :mod:`layercut.compress.stream_eval`);
+  block in memory at a time (the default; :mod:`layercut.compress.eval.stream_eval`);
 - ``eval-in-memory``: ``--whole-model``, the whole model in float32 (SmolLM2 only);
 - ``score``: angular + block-influence scores, streamed;
 - ``prune-drop``: remove blocks 1 and 2, checkpoint to checkpoint tensor by tensor
@@ -42,7 +42,7 @@ heal loads the whole model (it does not stream yet):
 - ``export``: a release checkpoint (card included), copied tensor by tensor in the source's dtype.
 - ``eval-quantized-streamed``: ``layercut eval`` of a 4-bit GPTQ checkpoint of the model (group size as in
   ``quantize``) with exact KL to the bf16 original as the reference, both streamed one block at a time
-  (the quantized blocks' packed tensors read for their turn; :mod:`layercut.compress.stream_eval`).
+  (the quantized blocks' packed tensors read for their turn; :mod:`layercut.compress.eval.stream_eval`).
   The row's ``bf16_bytes`` and target are the bf16 original's; ``quant_bytes`` is the checkpoint's.
 - ``eval-quantized-whole``: the same with ``--whole-model`` (both models whole, non-quantized tensors in
   float32: what every quantized eval did before), for contrast; SmolLM2 and 1B only (the 3B's fp32
@@ -96,7 +96,7 @@ SHAPES["llama3-1b-2blocks"] = dict(SHAPES["llama3-1b"], num_hidden_layers=2)
 def model_dir(name: str) -> Path:
     import torch
 
-    from layercut.compress.models import cache_dir, load_tokenizer, resolve_model
+    from layercut.compress.io.models import cache_dir, load_tokenizer, resolve_model
 
     if name == "smollm2-135m":
         return resolve_model("bundled:smollm2-135m", convert_dtype=torch.bfloat16)
@@ -115,10 +115,10 @@ def group_size(name: str) -> int:
 
 def quantized_dir(name: str) -> Path:
     """The 4-bit checkpoint of ``name`` the eval-quantized rows read (written once; see the module doc)."""
-    from layercut.compress.models import cache_dir
+    from layercut.compress.io.models import cache_dir
     from layercut.compress.quant.config import QuantizeConfig
-    from layercut.compress.stages.base import RunEnv
-    from layercut.compress.stages.quantize import run as run_quantize
+    from layercut.compress.workflow.stages.base import RunEnv
+    from layercut.compress.workflow.stages.quantize import run as run_quantize
 
     method, samples, seq_len = QUANT_RECIPE[name]
     folder = cache_dir() / "bench-models" / f"{name}-{method}-4bit-g{group_size(name)}"
@@ -138,7 +138,7 @@ def write_random_llama(folder: Path, shape: dict, tokenizer) -> None:
     from accelerate import init_empty_weights
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from layercut.export.shards import ShardWriter
+    from layercut.compress.core.shards import ShardWriter
 
     config = LlamaConfig(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
                          tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
@@ -169,8 +169,8 @@ def write_random_llama(folder: Path, shape: dict, tokenizer) -> None:
 def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -> dict:
     import torch
 
-    from layercut.compress.models import weight_bytes
-    from layercut.compress.stages.base import RunEnv
+    from layercut.compress.io.models import weight_bytes
+    from layercut.compress.workflow.stages.base import RunEnv
 
     torch.set_num_threads(1)
     path = model_dir(name)
@@ -178,8 +178,8 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
     if stage in ("eval-streamed", "eval-in-memory"):
-        from layercut.compress.eval_config import EvalConfig
-        from layercut.compress.stages.eval import run as run_eval
+        from layercut.compress.eval.config import EvalConfig
+        from layercut.compress.workflow.stages.eval import run as run_eval
 
         whole = stage == "eval-in-memory" or bool(os.environ.get("LAYERCUT_BENCH_WHOLE"))
         # timing: no reference (the whole-model path evaluates a reference twice: KL pass + its own figures)
@@ -188,8 +188,8 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
         res = run_eval(cfg, str(path), env=RunEnv(progress=False))["model"]
         out.update(ppl=res["ppl"], kl=res["kl"], tokens=res["tokens"])
     elif stage in QUANTIZED_STAGES:
-        from layercut.compress.eval_config import EvalConfig
-        from layercut.compress.stages.eval import run as run_eval
+        from layercut.compress.eval.config import EvalConfig
+        from layercut.compress.workflow.stages.eval import run as run_eval
 
         qpath = quantized_dir(name)  # made by --prepare-quantized, outside this process's peak
         cfg = EvalConfig(max_tokens=eval_tokens, reference=str(path), whole_model=stage == "eval-quantized-whole")
@@ -199,7 +199,7 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
                    quantized=f"4-bit g{group_size(name)} {method.upper()}, calibration {n} x {seq}")
     elif stage == "score":
         from layercut.compress.select.config import ScoreConfig
-        from layercut.compress.stages.score import run as run_score
+        from layercut.compress.workflow.stages.score import run as run_score
 
         cfg = ScoreConfig(method="angular,block-influence", drop=2, samples=samples, seq_len=seq_len)
         run_score(cfg, str(path), env=RunEnv(progress=False))
@@ -208,7 +208,7 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
         import tempfile
 
         from layercut.compress.depth.config import PruneConfig
-        from layercut.compress.stages.prune import run as run_prune
+        from layercut.compress.workflow.stages.prune import run as run_prune
 
         lstsq = dict(replace="lstsq", samples=samples, seq_len=seq_len) if stage == "prune-lstsq" else {}
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
@@ -220,7 +220,7 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
         import tempfile
 
         from layercut.compress.quant.config import QuantizeConfig
-        from layercut.compress.stages.quantize import run as run_quantize
+        from layercut.compress.workflow.stages.quantize import run as run_quantize
 
         group = group_size(name)
         bits = dict(bits=4) if stage == "quantize" else dict(avg_bits=3.5, sensitivity_samples=2)
@@ -238,14 +238,14 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
 
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             if stage == "heal":
-                from layercut.compress.stages.heal import run as run_heal
+                from layercut.compress.workflow.stages.heal import run as run_heal
                 from layercut.heal.config import HealConfig
 
                 cfg = HealConfig(teacher=str(path), steps=2, samples=2, seq_len=64, batch_size=1, rank=4, data_offset=0)
                 run_heal(cfg, str(path), Path(tmp) / "out", env=RunEnv(progress=False))
                 out.update(tokens=2 * 64)
             else:
-                from layercut.compress.stages.export import run as run_export
+                from layercut.compress.workflow.stages.export import run as run_export
                 from layercut.export.config import ExportConfig
 
                 run_export(ExportConfig(), str(path), Path(tmp) / "out", env=RunEnv(progress=False))

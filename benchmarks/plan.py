@@ -47,9 +47,9 @@ THREADS = int(os.environ.get("LAYERCUT_BENCH_THREADS", "1"))
 
 
 def _eval(path: Path, source: Path) -> dict:
-    from layercut.compress.stages import eval as eval_stage
-    from layercut.compress.stages.base import RunEnv
-    from layercut.compress.stages.eval import EvalConfig
+    from layercut.compress.workflow.stages import eval as eval_stage
+    from layercut.compress.workflow.stages.base import RunEnv
+    from layercut.compress.workflow.stages.eval import EvalConfig
 
     rep = eval_stage.run(EvalConfig(text=TEST, max_tokens=4096, ctx=512, reference=str(source)), path, None,
                          RunEnv(progress=False))
@@ -58,15 +58,15 @@ def _eval(path: Path, source: Path) -> dict:
 
 
 def measure(target: str, work: Path, seed: int = 0) -> dict:
-    from layercut.compress.models import resolve_model, weight_bytes
-    from layercut.compress.plan.config import PlanConfig
-    from layercut.compress.plan.search import plan
-    from layercut.compress.plan.space import Layout, pair_label, uniform_configs
+    from layercut.compress.io.models import resolve_model, weight_bytes
     from layercut.compress.quant.config import QuantizeConfig
-    from layercut.compress.stages import export, prune, quantize
-    from layercut.compress.stages.base import RunEnv
-    from layercut.compress.stages.export import ExportConfig
-    from layercut.compress.stages.prune import PruneConfig
+    from layercut.compress.workflow.planner.config import PlanConfig
+    from layercut.compress.workflow.planner.search import plan
+    from layercut.compress.workflow.planner.space import Layout, pair_label, uniform_configs
+    from layercut.compress.workflow.stages import export, prune, quantize
+    from layercut.compress.workflow.stages.base import RunEnv
+    from layercut.compress.workflow.stages.export import ExportConfig
+    from layercut.compress.workflow.stages.prune import PruneConfig
 
     src = resolve_model(MODEL)
     cfg = PlanConfig(size=target, seed=seed)
@@ -112,7 +112,7 @@ def measure(target: str, work: Path, seed: int = 0) -> dict:
 
 
 def _spearman_calibrated(plan: dict) -> float | None:
-    from layercut.compress.plan.measure import spearman
+    from layercut.compress.workflow.planner.measure import spearman
 
     comp = plan.get("composition") or []
     return spearman([c["calibrated"] for c in comp], [c["measured"] for c in comp])

@@ -18,7 +18,7 @@ Every quantizer gets the same calibration token batches (``bundled:brown-calib``
 ``calibration_batch(seed=s)``, ``--samples`` × ``--seq-len``); rows marked with seeds run
 once per ``--seeds`` value (default 0,1,2: three different calibration draws) and are
 reported as mean (min–max). Every checkpoint is loaded with
-``layercut.compress.quant.loader.load_quantized`` (GPTQModel's too) and evaluated the same way: the
+``layercut.compress.quant.format.loader.load_quantized`` (GPTQModel's too) and evaluated the same way: the
 first ``--max-tokens`` tokens of ``--text``, ctx 512, perplexity and KL(fp ‖ quantized)
 against the fp32 model's logits (computed once per text by the fp32 row).
 
@@ -121,7 +121,7 @@ ROWS: dict[str, dict] = {
     # issue 12: (bits, group size) per fused unit from the default candidates, sensitivity 'loss', the
     # fallback check on, at three budgets; each against the best uniform config whose bytes fit (3-bit
     # g64 for the first two, 2-bit g64 for 2.5); without and with the refinement round
-    # (compress/quant/refine.py), chosen on --text bundled:brown-val
+    # (compress/quant/search/refine.py), chosen on --text bundled:brown-val
     "mixed-3.297": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "group", "sym": False,
                     "sensitivity": "loss", "refine": False, "seeds": True},
     "mixed-3.297-refine": {"kind": "ours", "method": "gptq", "avg_bits": BUDGET_3BIT, "unit": "group", "sym": False,
@@ -166,7 +166,7 @@ ROWS: dict[str, dict] = {
     **{f"layercut-{b}-asym-{ss}": {"kind": "ours", "method": "gptq", "bits": b, "sym": False, "solve_dtype": "float32",
                                    "scale_search": ss, "seeds": True}
        for b in (4, 3) for ss in ("hessian", "mse", "obs")},
-    # least-squares scales for GPTQ's final codes (compress/quant/scale_fit.py) on top of the default search
+    # least-squares scales for GPTQ's final codes (compress/quant/solve/scale_fit.py) on top of the default search
     **{f"layercut-{b}-asym-hessian-refit": {"kind": "ours", "method": "gptq", "bits": b, "sym": False,
                                             "solve_dtype": "float32", "scale_search": "hessian",
                                             "refit_scales": True, "seeds": True} for b in (4, 3)},
@@ -191,7 +191,7 @@ ROWS: dict[str, dict] = {
                              "seeds": True},
     "gptqmodel-3-asym-mse": {"kind": "gptqmodel", "bits": 3, "sym": False, "matched": True, "mse": 2.0,
                              "seeds": True},
-    # --- issue 26 part 6: kl-swap (compress/quant/swap.py) ---
+    # --- issue 26 part 6: kl-swap (compress/quant/search/swap.py) ---
     # Δ_u = the true KL change of swapping unit u alone from the uniform 3g64 quant to its 3ch / 4g64
     # quant (all three from one sequential pass at the 3g64 operating point), measured on
     # sensitivity_samples x 256 calibration tokens held apart from the Hessians' and from the fallback
@@ -252,7 +252,7 @@ def _ref_file(args, work: Path) -> Path:
 def _evaluate(model, tok, args, work: Path) -> dict:
     from safetensors.torch import load_file
 
-    from layercut.compress.evaluate import evaluate
+    from layercut.compress.eval.evaluate import evaluate
 
     store = load_file(_ref_file(args, work))  # keys: the window's token ids as hex
     res = evaluate(model, tok, text=args.text, ctx=512, max_tokens=args.max_tokens,
@@ -261,8 +261,8 @@ def _evaluate(model, tok, args, work: Path) -> dict:
 
 
 def _load_for_eval(path: Path):
-    from layercut.compress.quant.loader import load_quantized
-    from layercut.compress.quant.qlinear import QuantLinear
+    from layercut.compress.quant.format.loader import load_quantized
+    from layercut.compress.quant.format.qlinear import QuantLinear
 
     model = load_quantized(path)
     for m in model.modules():
@@ -308,8 +308,8 @@ def _cpu_s() -> float:
 def child_fp(args, work: Path) -> dict:
     import torch
 
-    from layercut.compress.evaluate import evaluate
-    from layercut.compress.models import load_model, resolve_model, weight_bytes
+    from layercut.compress.eval.evaluate import evaluate
+    from layercut.compress.io.models import load_model, resolve_model, weight_bytes
 
     model, tok = load_model(MODEL)
     store: dict[str, torch.Tensor] = {}
@@ -335,8 +335,8 @@ def child_fp(args, work: Path) -> dict:
 
 
 def child_ours(args, work: Path, name: str, spec: dict, seed: int) -> dict:
-    from layercut.compress.models import load_tokenizer
-    from layercut.compress.stages.quantize import quantize_checkpoint
+    from layercut.compress.io.models import load_tokenizer
+    from layercut.compress.workflow.stages.quantize import quantize_checkpoint
 
     out = work / f"{name}-seed{seed}"
     sens = spec.get("sensitivity") or _best_proxy(args)
@@ -394,7 +394,7 @@ def child_gptqmodel(args, work: Path, name: str, spec: dict, seed: int) -> dict:
     from gptqmodel import GPTQModel
 
     from layercut.calibrate.data import calibration_batch
-    from layercut.compress.models import load_tokenizer, resolve_model
+    from layercut.compress.io.models import load_tokenizer, resolve_model
 
     out = work / f"{name}-seed{seed}"
     t0 = time.perf_counter()
@@ -434,9 +434,13 @@ def child_gptqmodel(args, work: Path, name: str, spec: dict, seed: int) -> dict:
 
 def child_sensitivity(args, work: Path) -> dict:
     from layercut.calibrate.data import CalibSet, calibration_batch
-    from layercut.compress.models import load_model
-    from layercut.compress.quant.driver import SolverConfig
-    from layercut.compress.quant.sensitivity import allocation_units, measure_sensitivity, rank_correlation
+    from layercut.compress.io.models import load_model
+    from layercut.compress.quant.search.sensitivity import (
+        allocation_units,
+        measure_sensitivity,
+        rank_correlation,
+    )
+    from layercut.compress.quant.solve.driver import SolverConfig
 
     model, tok = load_model(MODEL)
     full = calibration_batch(tok, args.calib, samples=args.samples, seq_len=args.seq_len, seed=0)
@@ -760,12 +764,12 @@ NOTES = """## Notes
 - mixed bits — `GPTQModel.load(out, device="cpu", backend=BACKEND.TORCH, dtype=torch.float16)`
   (its torch kernel takes fp16/bf16 only). Stock transformers cannot load mixed bits: optimum
   ignores `dynamic` and builds every layer at the base width;
-- both — `layercut.compress.quant.loader.load_quantized(out)` (what `layercut.compress.models.load_model` and
+- both — `layercut.compress.quant.format.loader.load_quantized(out)` (what `layercut.compress.io.models.load_model` and
   `layercut eval` use); it also reads GPTQModel's own checkpoints (all rows above).
 
 `quantization_config.meta.quantizer` lists `gptqmodel:7.6.0` beside layercut: GPTQModel refuses
 asymmetric v1 checkpoints unless a `gptqmodel:>=0.9` producer vouches for the zero-point
-convention, and `compress/quant/pack.py` is bit-exact with GPTQModel 7.6.0's packer.
+convention, and `compress/quant/format/pack.py` is bit-exact with GPTQModel 7.6.0's packer.
 
 **Choices.** A group size that does not divide some linear's `in_features` is refused before
 any work (no silent per-layer fallback); the default group size is 128 where it divides every
@@ -778,7 +782,7 @@ the checkpoint loads with `desc_act: false` everywhere. Column orders are compar
 validation split (`--text bundled:brown-val`, docs/results/quant-brown-val.md); the test split
 only reports.
 
-**Scale search** (issue 26; `--scale-search`, `compress/quant/gptq.py`): when a group's scale and
+**Scale search** (issue 26; `--scale-search`, `compress/quant/solve/gptq.py`): when a group's scale and
 zero are fixed (up front from the original weight under static groups), each row's min/max
 range is shrunk by the factor p in 1, 0.95, ..., 0.75 (`--scale-min`, `--scale-steps`) whose
 rounding error over the group is least: weighted by the Hessian diagonal H_jj (`hessian`),

@@ -30,7 +30,7 @@ KINDS = ("none", "mse", "hessian", "obs")
 
 
 def main() -> None:
-    from layercut.compress.quant.gptq import gptq_quantize
+    from layercut.compress.quant.solve.gptq import gptq_quantize
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)

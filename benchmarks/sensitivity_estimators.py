@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from layercut.compress.quant.sensitivity import rank_correlation  # noqa: E402
+from layercut.compress.quant.search.sensitivity import rank_correlation  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 ESTIMATORS = ("dloss", "drel", "dloss/R")
@@ -53,7 +53,7 @@ def residual_energy(settings: dict) -> list[float]:
     """Median per-token ‖h_l‖² of the stream entering each block l (index L: after the last)."""
     import sensitivity_exact as se
 
-    from layercut.compress.models import load_model
+    from layercut.compress.io.models import load_model
 
     model, tok = load_model(settings["model"])
     data = se.eval_set(tok, settings["calib"], settings["eval_windows"], settings["eval_seq_len"],

@@ -20,7 +20,7 @@ What it measures, on SmolLM2-135M in fp32 with one torch thread:
   4/ch, 4/g128, 4/g64, 4/g32, 8/ch (ch = one group per row), each only where the group size
   divides the unit's in_features (g128 fits down_proj only on SmolLM2). Cost per weight
   counts the fp16 scale and the packed ``bits``-bit zero of every (group, row):
-  b + (16 + b)/gs, or b + (16 + b)·rows/n per channel (``layercut.compress.quant.allocate.unit_cost``).
+  b + (16 + b)/gs, or b + (16 + b)·rows/n per channel (``layercut.compress.quant.search.allocate.unit_cost``).
 * **Δ(u, c)** = KL(fp ‖ baseline with only unit u re-solved by GPTQ at c on its stored
   Hessian) − KL(fp ‖ baseline), mean over evaluation tokens held apart from calibration:
   8 consecutive windows of 256 tokens of ``bundled:brown-calib`` starting at token 70,000 of
@@ -32,7 +32,7 @@ What it measures, on SmolLM2-135M in fp32 with one torch thread:
 
 Entries are measured candidate by candidate (the order of ``CANDIDATES``), the JSON is
 rewritten atomically after each one. When the table is complete, the exact DP
-(``layercut.compress.quant.allocate``) is solved at the bytes of uniform 3-bit g64, 3.5 and 2.5
+(``layercut.compress.quant.search.allocate``) is solved at the bytes of uniform 3-bit g64, 3.5 and 2.5
 bits/weight, with and without 4-bit g32 (the bundled weights come from a Q4_1 g32 GGUF), and
 the chosen allocations are quantized and measured ("checks": additivity with the same
 Hessians, and a full sequential re-quantization). Writes ``benchmarks/results/
@@ -62,10 +62,11 @@ from torch import Tensor, nn  # noqa: E402
 
 from layercut.calibrate.capture import BlockRun, capture_inputs, first_tensor, run_blocks  # noqa: E402
 from layercut.calibrate.data import CalibSet, load_texts, token_stream  # noqa: E402
-from layercut.compress.arch import arch_for, get_submodule  # noqa: E402
-from layercut.compress.errors import LayercutError  # noqa: E402
-from layercut.compress.quant.allocate import _solve_dp, unit_cost  # noqa: E402
-from layercut.compress.quant.driver import (  # noqa: E402
+from layercut.compress.core.arch import arch_for, get_submodule  # noqa: E402
+from layercut.compress.core.errors import LayercutError  # noqa: E402
+from layercut.compress.quant.search.allocate import _solve_dp, unit_cost  # noqa: E402
+from layercut.compress.quant.search.sensitivity import AllocUnit, allocation_units, rank_correlation  # noqa: E402
+from layercut.compress.quant.solve.driver import (  # noqa: E402
     HessianSet,
     SolverConfig,
     check_model,
@@ -74,7 +75,6 @@ from layercut.compress.quant.driver import (  # noqa: E402
     set_weight,
     solve_group,
 )
-from layercut.compress.quant.sensitivity import AllocUnit, allocation_units, rank_correlation  # noqa: E402
 
 JSON_PATH = ROOT / "benchmarks" / "results" / "sensitivity_exact.json"
 DOC_PATH = ROOT / "docs" / "results" / "mixed.md"
@@ -285,7 +285,7 @@ def measured_table(state: dict, units: list[dict], cands: list[tuple[int, int]])
 
 
 def solve_budget(units: list[dict], cands: list[tuple[int, int]], D: np.ndarray, avg_bits: float) -> dict:
-    """Exact multiple-choice knapsack (layercut.compress.quant.allocate's DP) over the finite entries."""
+    """Exact multiple-choice knapsack (layercut.compress.quant.search.allocate's DP) over the finite entries."""
     costs = [[_cost(u, c) for c in cands] for u in units]
     n_total = sum(u["n_weights"] for u in units)
     budget = math.floor(avg_bits * n_total * (1 + 1e-12))
@@ -532,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(a: argparse.Namespace, cands: list[tuple[int, int]], settings: dict) -> None:
     from layercut.calibrate.data import calibration_batch
-    from layercut.compress.models import load_model
+    from layercut.compress.io.models import load_model
 
     t0 = time.perf_counter()
     model, tok = load_model(a.model, dtype=torch.float32)

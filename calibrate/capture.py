@@ -34,8 +34,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from layercut.calibrate.data import CalibSet
-from layercut.compress.arch import ArchSpec, arch_for, get_submodule
-from layercut.compress.lazy import lazy_of
+from layercut.compress.core.arch import ArchSpec, arch_for, get_submodule
+from layercut.compress.io.lazy import lazy_of
 
 HookFn = Callable[[int, torch.Tensor, torch.Tensor], None]  # (batch_index, module_input, module_output)
 
@@ -234,7 +234,7 @@ def run_blocks(
     ``device``: where each block runs (moved there for its turn and back). Defaults to
     the model's device. Activations stay on that device.
 
-    A :class:`layercut.compress.lazy.LazyModel`'s model is streamed: each block is read from the
+    A :class:`layercut.compress.io.lazy.LazyModel`'s model is streamed: each block is read from the
     checkpoint for its turn and released after the callbacks, so changes a callback makes to
     a block must be saved within its turn.
     """
@@ -243,8 +243,8 @@ def run_blocks(
     callbacks = list(callbacks)
     lazy = lazy_of(model)  # a streamed model's blocks are read onto the CPU for their turn
     home = torch.device("cpu") if lazy is not None else model.get_input_embeddings().weight.device
-    if device is None:  # a stage's --device (layercut.compress.devices.compute_device), else where the model is
-        from layercut.compress.devices import current_device
+    if device is None:  # a stage's --device (layercut.compress.core.devices.compute_device), else where the model is
+        from layercut.compress.core.devices import current_device
 
         device = current_device() or home
     device = torch.device(device)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from layercut.calibrate.sources import BUNDLED_TEXTS, DATA_DIR, TextSource, documents
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 
 __all__ = ["BUNDLED_TEXTS", "DATA_DIR", "EVAL_TEXTS", "CalibSet", "TextSource", "as_sources", "allocate",
            "calibration_batch", "load_texts", "token_stream"]

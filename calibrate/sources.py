@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from layercut.compress.errors import LayercutError, unknown_key_message
+from layercut.compress.core.errors import LayercutError, unknown_key_message
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 BUNDLED_TEXTS = {name: f"{name}.txt.gz"

@@ -1,10 +1,10 @@
 """The one definition of a stage's options: a strict pydantic config, from which the CLI
-flags (:mod:`layercut.compress.stages.flags`), the recipe keys (:mod:`layercut.compress.recipe`) and the
+flags (:mod:`layercut.compress.workflow.stages.flags`), the recipe keys (:mod:`layercut.compress.workflow.recipe`) and the
 Python API (:mod:`layercut`) all come.
 
 Usage::
 
-    from layercut.compress.stages.prune import PruneConfig
+    from layercut.compress.workflow.stages.prune import PruneConfig
     PruneConfig(drop=8, select="angular", replace="lstsq")     # validated now
     PruneConfig(replce="lstsq")      # ValueError: unknown key 'replce', did you mean 'replace'? ...
 
@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from layercut.calibrate.sources import FIELD_KEYS, TextSource
-from layercut.compress.errors import format_error, unknown_key_message
+from layercut.compress.core.errors import format_error, unknown_key_message
 
 # a recipe's eval/heal stage compares with / distils from the recipe's model unless told otherwise
 SOURCE = "source"
@@ -140,7 +140,7 @@ def messages_field_option() -> Any:
 
 
 def device_option() -> Any:
-    from layercut.compress.devices import DEVICE_HELP, DEVICE_PATTERN
+    from layercut.compress.core.devices import DEVICE_HELP, DEVICE_PATTERN
 
     return Field("auto", pattern=DEVICE_PATTERN, description=DEVICE_HELP, json_schema_extra={"metavar": "DEVICE"})
 

@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 
 from layercut.calibrate.sources import parse_hf
-from layercut.compress.models import HUB_ID, source_info
+from layercut.compress.io.models import HUB_ID, source_info
 
 DATA_KEYS = ("calib", "calibration", "data", "text")  # where stage configs and reports name text sources
 TRAIN_STAGES = ("score", "prune", "heal", "quantize")

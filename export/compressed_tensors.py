@@ -17,7 +17,7 @@ Each quantized linear ``NAME`` (GPTQ ``qweight``/``qzeros``/``scales``/``g_idx``
 * ``NAME.weight_scale`` ``[out, groups]``: GPTQ's fp16 scales, transposed;
 * ``NAME.weight_zero_point`` int32 ``[ceil(out*bits/32), groups]``: the true zero points (GPTQ
   v1 stores ``zero - 1``; the offset is undone as layercut's loader undoes it,
-  :func:`layercut.compress.quant.pack.unpack_gptq`) packed along ``out``. A symmetric checkpoint
+  :func:`layercut.compress.quant.format.pack.unpack_gptq`) packed along ``out``. A symmetric checkpoint
   (``sym: true``, every zero point ``2**(bits-1)``) is written symmetric, without zero points;
 * ``NAME.weight_shape`` int64 ``[out, in]``; ``NAME.bias`` as stored.
 
@@ -26,7 +26,7 @@ gets a compressed-tensors ``quantization_config`` with one config group per (bit
 pair (a mixed-bits checkpoint gives several), each listing its linears by full name;
 strategy ``group`` (``channel`` for one group per row), ``type`` int, ``format``
 ``pack-quantized``. Streaming: one linear's tensors at a time through
-:class:`layercut.export.shards.ShardWriter`.
+:class:`layercut.compress.core.shards.ShardWriter`.
 
 Refused: dense checkpoints, act-order (``desc_act``: a non-trivial ``g_idx``) and GPT-2 style
 ``Conv1D`` models. compressed-tensors itself reads the result back to the weights layercut
@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from layercut.compress.errors import LayercutError
-from layercut.compress.quant.pack import pack_rows
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.quant.format.pack import pack_rows
 
 FORMAT = "pack-quantized"
 
@@ -76,7 +76,7 @@ def _pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def convert_linear(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                    bits: int, group_size: int, sym: bool, name: str = "") -> dict[str, torch.Tensor]:
     """One GPTQ v1 linear as compressed-tensors ``pack-quantized`` tensors (see the module doc)."""
-    from layercut.compress.quant.pack import unpack_gptq
+    from layercut.compress.quant.format.pack import unpack_gptq
 
     in_f, out_f = g_idx.shape[0], scales.shape[1]
     expected = torch.zeros(in_f, dtype=torch.long) if group_size == -1 else torch.arange(in_f) // group_size
@@ -112,8 +112,8 @@ def write_compressed_tensors(src: str | os.PathLike, folder: str | os.PathLike, 
     ``config.json``; side files are the caller's). Returns ``{"layers": n, "groups": {"4g128": n, ...}}``."""
     from tqdm.auto import tqdm
 
-    from layercut.compress.lazy import LazyModel
-    from layercut.export.shards import ShardWriter
+    from layercut.compress.core.shards import ShardWriter
+    from layercut.compress.io.lazy import LazyModel
 
     src, folder = Path(src), Path(folder)
     raw_config = json.loads((src / "config.json").read_text())

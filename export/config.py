@@ -7,8 +7,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
+from layercut.compress.core.units import check_size
 from layercut.compress.options import Dtype, SaveDtype, StageConfig
-from layercut.compress.units import check_size
 
 
 class ExportConfig(StageConfig):

@@ -15,7 +15,7 @@ Dense inputs are loaded (in ``load_dtype``) and re-saved with ``save_pretrained`
 quantize stage wrote, or dequantized into a dense model with ``dequantize=True``. Either
 way the weights end up as ``model-XXXXX-of-YYYYY.safetensors`` with a
 ``model.safetensors.index.json`` (also for a single shard), each file's metadata
-``{"format": "pt"}``. The result is written atomically (:func:`layercut.export.checkpoint.atomic_dir`).
+``{"format": "pt"}``. The result is written atomically (:func:`layercut.compress.core.save.atomic_dir`).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.core.save import atomic_dir, check_output_dir
+from layercut.compress.core.shards import INDEX
+from layercut.compress.core.units import check_size
 from layercut.compress.options import torch_dtype
-from layercut.compress.units import check_size
-from layercut.export.checkpoint import atomic_dir, check_output_dir
-from layercut.export.shards import INDEX
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 FORMATS = ("safetensors", "gguf", "compressed-tensors")
@@ -122,7 +122,7 @@ def export_checkpoint(
 
 
 def _check_inputs(src: str | os.PathLike, dequantize: bool, dtype: str | None, max_shard_size: str) -> Path:
-    from layercut.compress.models import resolve_model
+    from layercut.compress.io.models import resolve_model
 
     path = resolve_model(src)
     quantized = is_quantized(path)
@@ -201,24 +201,24 @@ def write_export_into(
     A dense checkpoint is copied tensor by tensor (``stream``; in ``save_dtype``, else the
     load dtype), so memory holds one tensor, not the model; so is a GPTQ checkpoint under
     ``dequantize`` (one quantized linear dequantized at a time,
-    :func:`layercut.compress.quant.loader.write_dequantized`). Models with their own modeling
+    :func:`layercut.compress.quant.format.loader.write_dequantized`). Models with their own modeling
     code, and ``stream=False``, load the whole model.
     """
     quantized = is_quantized(src)
     lazy = None
     if stream and not quantized and not trust_remote_code:
-        from layercut.compress.lazy import stream_blocker
+        from layercut.compress.io.lazy import stream_blocker
 
         if stream_blocker(src) is None:
-            from layercut.compress.lazy import LazyModel
+            from layercut.compress.io.lazy import LazyModel
 
             dtype = DTYPES[save_dtype] if save_dtype is not None else torch_dtype(load_dtype, src)
             lazy = LazyModel(src, storage_dtype=dtype)
     if quantized and not dequantize:
         _copy_checkpoint(src, folder)
     elif quantized and stream and not trust_remote_code and _streamable_quantized(src):
-        from layercut.compress.lazy import LazyModel
-        from layercut.compress.quant.loader import write_dequantized
+        from layercut.compress.io.lazy import LazyModel
+        from layercut.compress.quant.format.loader import write_dequantized
 
         # one quantized linear dequantized at a time (issue 26), the tensors of the whole-model path
         dtype = DTYPES[save_dtype] if save_dtype is not None else torch_dtype(load_dtype, src)
@@ -231,7 +231,7 @@ def write_export_into(
         for name in _OWN_FILES:  # the run's own card, report and recipe come from extra_files, never the input
             (folder / name).unlink(missing_ok=True)
     else:
-        from layercut.compress.models import load_model
+        from layercut.compress.io.models import load_model
 
         model, tokenizer = load_model(src, dtype=torch_dtype(load_dtype, src), trust_remote_code=trust_remote_code)
         if dequantize:
@@ -252,7 +252,7 @@ def write_export_into(
 
 
 def _streamable_quantized(src: Path) -> bool:
-    from layercut.compress.lazy import stream_blocker
+    from layercut.compress.io.lazy import stream_blocker
 
     return stream_blocker(src, quantized=True) is None
 
@@ -282,8 +282,8 @@ def dequantize_model(model: nn.Module) -> int:
     GPT-2 style models get ``Conv1D`` back (weight stored transposed, [in, out]). Drops
     ``config.quantization_config``. Returns the number of layers replaced.
     """
-    from layercut.compress.arch import arch_for
-    from layercut.compress.quant.qlinear import QuantLinear
+    from layercut.compress.core.arch import arch_for
+    from layercut.compress.quant.format.qlinear import QuantLinear
 
     conv1d = arch_for(model).conv1d
     count = 0

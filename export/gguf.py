@@ -14,7 +14,7 @@ Llama 2/3 without rope scaling, TinyLlama, ...); anything else is one clear erro
 
 The file is what llama.cpp's ``convert_hf_to_gguf.py`` writes for such a checkpoint: tensor
 names from the ``gguf`` package's table (through transformers' map,
-:func:`layercut.compress.gguf_convert.gguf_tables`, shared with layercut's GGUF reader), Llama's
+:func:`layercut.compress.core.gguf_convert.gguf_tables`, shared with layercut's GGUF reader), Llama's
 q/k rows permuted to llama.cpp's rotary layout (the inverse of what both readers undo), 1-D
 tensors (norms, biases) in F32 and every matrix in ``gguf_type``:
 
@@ -25,7 +25,7 @@ tensors (norms, biases) in F32 and every matrix in ``gguf_type``:
   whose rows are not a multiple of 32 falls back to f16, as in llama.cpp.
 
 Memory: the skeleton is built on the meta device and the weights are read from the shards
-one tensor at a time (:class:`layercut.compress.lazy.TensorIndex`), converted and appended
+one tensor at a time (:class:`layercut.compress.io.lazy.TensorIndex`), converted and appended
 to the file, so the peak is about the largest tensor as stored plus its encoded copy (BF16 from
 a non-bf16 source and Q8_0 are quantized from float32 in chunks of rows). The tokenizer
 goes in as GGUF metadata (:mod:`layercut.export.gguf_vocab`). Readers: llama.cpp and its
@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 
 GGUF_TYPES = ("f16", "bf16", "q8_0")
 ARCHS = {"llama": "llama"}  # HF model_type -> GGUF architecture written
@@ -159,8 +159,8 @@ def write_gguf(src: str | os.PathLike, path: str | os.PathLike, gguf_type: str =
     from gguf import GGMLQuantizationType as Q
     from tqdm.auto import tqdm
 
-    from layercut.compress.gguf_convert import gguf_tables
-    from layercut.compress.lazy import LazyModel
+    from layercut.compress.core.gguf_convert import gguf_tables
+    from layercut.compress.io.lazy import LazyModel
     from layercut.export.gguf_vocab import add_tokenizer
 
     src, path = Path(src), Path(path)

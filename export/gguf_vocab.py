@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 
 # llama.cpp's convert_hf_to_gguf.py: added tokens that are control tokens even when not marked special
 _LOOKS_SPECIAL = ("<pad>", "<mask>", "<2mass>", "[@BOS@]")

@@ -25,7 +25,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
 REPO_ID = re.compile(rf"^{_NAME}/{_NAME}$")

@@ -7,7 +7,7 @@ Usage::
     cfg = HealConfig.parse({"steps": 300})                      # LayercutError on bad input
 
 ``HealConfig`` is the heal stage's one config, defined here beside the algorithm and shared by
-the stage (:mod:`layercut.compress.stages.heal`), the CLI, recipes and
+the stage (:mod:`layercut.compress.workflow.stages.heal`), the CLI, recipes and
 :func:`layercut.heal.train.heal_model`.
 """
 
@@ -20,7 +20,7 @@ from pydantic import AliasChoices, Field, ValidationError, model_validator
 
 from layercut.calibrate import DEFAULT_CALIB_TEXT
 from layercut.calibrate.sources import FIELD_KEYS
-from layercut.compress.errors import unknown_key_message
+from layercut.compress.core.errors import unknown_key_message
 from layercut.compress.options import (
     SOURCE,
     TEXT_SPEC_HELP,
@@ -141,7 +141,7 @@ class HealConfig(StageConfig, TextOptions):
     @classmethod
     def parse(cls, values: dict[str, Any] | None = None, **kwargs: Any) -> HealConfig:
         """Build from a dict (e.g. a recipe section); bad keys/values become one LayercutError."""
-        from layercut.compress.errors import LayercutError, format_error
+        from layercut.compress.core.errors import LayercutError, format_error
 
         try:
             return cls(**{**(values or {}), **kwargs})

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from layercut.calibrate.data import EVAL_TEXTS, CalibSet, calibration_batch
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 from layercut.heal.config import HealConfig
 from layercut.heal.losses import teacher_topk
 

@@ -9,7 +9,7 @@ Usage::
 No LoRA is written here: peft's ``LoraConfig`` + ``get_peft_model`` do the work (Hu et al.
 2021, "LoRA: Low-Rank Adaptation of Large Language Models"). This module only decides
 *which* modules peft wraps — the decoder blocks' linears as listed by
-:func:`layercut.compress.arch.arch_for`, matched by one anchored regex so nothing outside the
+:func:`layercut.compress.core.arch.arch_for`, matched by one anchored regex so nothing outside the
 blocks (``lm_head``, embeddings) is touched — and turns quantized layers into dense ones
 peft can wrap.
 """
@@ -21,8 +21,8 @@ import re
 import torch
 from torch import nn
 
-from layercut.compress.arch import arch_for
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.arch import arch_for
+from layercut.compress.core.errors import LayercutError
 
 TARGET_ALIASES = ("all-linear", "mlp", "attn")
 
@@ -72,7 +72,7 @@ def target_regex(model: nn.Module, names: list[str]) -> str:
 def dequantize_modules(model: nn.Module) -> int:
     """Replace every quantized linear (a non-Linear module with ``dequantize()``) by nn.Linear.
 
-    Works for layercut's ``layercut.compress.quant.qlinear.QuantLinear`` and any module exposing
+    Works for layercut's ``layercut.compress.quant.format.qlinear.QuantLinear`` and any module exposing
     ``dequantize() -> W [out, in]`` plus ``in_features``/``out_features``/``bias``. The
     dense weight is float32 on the module's device. Returns the number replaced.
     """

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 from layercut.heal.config import HealConfig, HealResult
 
 NOTE = ("only the GPTQ group scales were trained (fp16, in place): codes, zero points, g_idx and the bytes on "
@@ -38,7 +38,7 @@ class ScaleTuned(nn.Module):
     """A GPTQ linear whose scales train: y = x · (s0 (1 + θ)[g_idx] · (q − z))ᵀ + b, all else frozen."""
 
     def __init__(self, layer: nn.Module):
-        from layercut.compress.quant.pack import unpack_gptq
+        from layercut.compress.quant.format.pack import unpack_gptq
 
         super().__init__()
         q, z = unpack_gptq(layer.qweight, layer.qzeros, layer.bits, layer.in_features, layer.out_features)
@@ -61,7 +61,7 @@ class ScaleTuned(nn.Module):
 
 
 def _quant_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    from layercut.compress.quant.qlinear import QuantLinear
+    from layercut.compress.quant.format.qlinear import QuantLinear
 
     return [(parent, child, mod) for parent in model.modules()
             for child, mod in parent.named_children() if isinstance(mod, QuantLinear)]
@@ -142,8 +142,8 @@ def tune_scales(student: nn.Module, teacher, tokenizer, cfg: HealConfig, source:
     from accelerate.utils import set_seed
     from torch.utils.data import DataLoader
 
-    from layercut.compress.devices import resolve_device
-    from layercut.export.checkpoint import atomic_dir, check_output_dir
+    from layercut.compress.core.devices import resolve_device
+    from layercut.compress.core.save import atomic_dir, check_output_dir
     from layercut.heal.data import HealDataset, heal_data
     from layercut.heal.train import _teacher_and_cache, _train
 

@@ -6,7 +6,7 @@ Usage::
     save_state(state_dir, step, peft_model, optimizer, losses, cfg)   # state_dir/step-000050/
     step, losses = load_state(latest_state(state_dir), peft_model, optimizer, cfg)
 
-A checkpoint is one directory written atomically (``layercut.export.checkpoint.atomic_dir``):
+A checkpoint is one directory written atomically (``layercut.compress.core.save.atomic_dir``):
 ``adapter.safetensors`` (peft's adapter state dict), ``optimizer.safetensors`` + the
 optimizer's JSON-able parts in ``state.json`` (step, losses, config fingerprint), and
 ``rng.safetensors`` (the torch CPU/CUDA generator states). Only the newest is kept.
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from layercut.compress.errors import LayercutError
-from layercut.export.checkpoint import atomic_dir
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.core.save import atomic_dir
 from layercut.heal.config import HealConfig
 
 STEP_PREFIX = "step-"

@@ -34,8 +34,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from layercut.calibrate.data import CalibSet
-from layercut.compress.errors import LayercutError
-from layercut.export.checkpoint import atomic_dir, check_output_dir, write_checkpoint_into
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.core.save import atomic_dir, check_output_dir, write_checkpoint_into
 from layercut.heal.config import HealConfig, HealResult
 from layercut.heal.data import HealDataset, TopKCache, distill_target, heal_data
 from layercut.heal.lora import (
@@ -93,7 +93,7 @@ def heal_model(
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from layercut.compress.devices import resolve_device
+    from layercut.compress.core.devices import resolve_device
 
     cfg = config if isinstance(config, HealConfig) else HealConfig.parse(config)
     out = check_output_dir(out_dir, overwrite) if out_dir is not None else None

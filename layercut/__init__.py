@@ -47,11 +47,11 @@ _LAZY = {
     "load": "layercut.api", "score": "layercut.api", "prune": "layercut.api", "quantize": "layercut.api",
     "evaluate": "layercut.api", "run": "layercut.api",
     "heal": "layercut.heal", "export": "layercut.export",  # callable subpackages, see above
-    "LayercutError": "layercut.compress.errors", "GateFailed": "layercut.compress.errors",
-    "Recipe": "layercut.compress.recipe",
-    "ScoreConfig": "layercut.compress.stages.score", "PruneConfig": "layercut.compress.stages.prune",
+    "LayercutError": "layercut.compress.core.errors", "GateFailed": "layercut.compress.core.errors",
+    "Recipe": "layercut.compress.workflow.recipe",
+    "ScoreConfig": "layercut.compress.workflow.stages.score", "PruneConfig": "layercut.compress.workflow.stages.prune",
     "HealConfig": "layercut.heal.config", "QuantizeConfig": "layercut.compress.quant.config",
-    "EvalConfig": "layercut.compress.stages.eval", "ExportConfig": "layercut.compress.stages.export",
+    "EvalConfig": "layercut.compress.workflow.stages.eval", "ExportConfig": "layercut.compress.workflow.stages.export",
 }
 
 __all__ = [*_LAZY, "__version__"]

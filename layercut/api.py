@@ -12,13 +12,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from layercut.compress.core.errors import LayercutError
 from layercut.compress.depth.config import PruneConfig
-from layercut.compress.errors import LayercutError
-from layercut.compress.eval_config import EvalConfig
+from layercut.compress.eval.config import EvalConfig
 from layercut.compress.options import StageConfig
 from layercut.compress.quant.config import QuantizeConfig
-from layercut.compress.recipe import Recipe
 from layercut.compress.select.config import ScoreConfig
+from layercut.compress.workflow.recipe import Recipe
 from layercut.export.config import ExportConfig
 from layercut.heal.config import HealConfig
 
@@ -29,7 +29,7 @@ def _config(cls: type[StageConfig], config: StageConfig | None, options: dict[st
     """``config`` (updated with ``options``) or ``cls(**options)``; one-line LayercutError if invalid."""
     from pydantic import ValidationError
 
-    from layercut.compress.errors import format_error
+    from layercut.compress.core.errors import format_error
 
     try:
         if config is None:
@@ -46,7 +46,7 @@ def load(model: str | os.PathLike, dtype: str = "fp32", device: str = "cpu", tru
 
     ``dtype``: auto (the checkpoint's own), bf16, fp16 or fp32.
     """
-    from layercut.compress.models import load_model, resolve_model
+    from layercut.compress.io.models import load_model, resolve_model
     from layercut.compress.options import torch_dtype
 
     path = resolve_model(model)
@@ -59,11 +59,11 @@ def score(model, tokenizer, config: ScoreConfig | None = None, progress: bool = 
     Returns ``{"selection": {method: layers}, "ranking": ..., "scores": ...}``.
     """
     from layercut.calibrate.data import calibration_batch
-    from layercut.compress.arch import arch_for
+    from layercut.compress.core.arch import arch_for
     from layercut.compress.select import compute_scores
     from layercut.compress.select.config import parse_methods
     from layercut.compress.select.driver import DATA_METHODS, rankings
-    from layercut.compress.stages.score import selections
+    from layercut.compress.workflow.stages.score import selections
 
     cfg = _config(ScoreConfig, config, options)
     methods = parse_methods(cfg.method)
@@ -80,7 +80,7 @@ def score(model, tokenizer, config: ScoreConfig | None = None, progress: bool = 
 
 def prune(model, tokenizer, config: PruneConfig | None = None, progress: bool = False, **options):
     """Remove blocks or sublayers of an in-memory model (in place); returns the model."""
-    from layercut.compress.stages.prune import prune_model
+    from layercut.compress.workflow.stages.prune import prune_model
 
     return prune_model(model, tokenizer, _config(PruneConfig, config, options), progress)
 
@@ -89,9 +89,9 @@ def quantize(model, tokenizer, config: QuantizeConfig | None = None, progress: b
     """GPTQ in memory: each linear's weight becomes its dequantized quantized weight; returns the model.
 
     To write a packed GPTQ checkpoint, run the stage on disk:
-    ``layercut quantize MODEL -o OUT`` or :func:`layercut.compress.stages.quantize.run`.
+    ``layercut quantize MODEL -o OUT`` or :func:`layercut.compress.workflow.stages.quantize.run`.
     """
-    from layercut.compress.stages.quantize import quantize_model
+    from layercut.compress.workflow.stages.quantize import quantize_model
 
     return quantize_model(model, tokenizer, _config(QuantizeConfig, config, options), progress)
 
@@ -111,19 +111,19 @@ def evaluate(model, tokenizer, reference=None, config: EvalConfig | None = None,
              **options) -> dict:
     """Perplexity (and KL to an in-memory ``reference``) on held-out text, and lm-eval ``tasks`` if
     given (report keys ``tasks`` and ``lm_eval_version``); returns the figures."""
-    from layercut.compress.evaluate import evaluate as evaluate_model
+    from layercut.compress.eval.evaluate import evaluate as evaluate_model
 
     cfg = _config(EvalConfig, config, {"reference": None, **options})
     tasks = None
     if cfg.tasks:  # checked (and their data loaded) before any model work
-        from layercut.compress.lmeval import load_tasks
+        from layercut.compress.eval.lmeval import load_tasks
 
         tasks = load_tasks(cfg.tasks, cfg.include_path)
     result = evaluate_model(model, tokenizer, text=cfg.text_sources()[0], ctx=cfg.ctx, max_tokens=cfg.max_tokens,
                             reference=reference, batch_size=cfg.batch_size, progress=progress)
     figures = result.to_dict()
     if tasks is not None:
-        from layercut.compress.lmeval import run_tasks
+        from layercut.compress.eval.lmeval import run_tasks
 
         figures.update(run_tasks(model, tokenizer, tasks, limit=cfg.limit, num_fewshot=cfg.num_fewshot,
                                  batch_size=cfg.batch_size, progress=progress))
@@ -133,7 +133,7 @@ def evaluate(model, tokenizer, reference=None, config: EvalConfig | None = None,
 def export(model, tokenizer, output: str | os.PathLike, config: ExportConfig | None = None, overwrite: bool = False,
            **options) -> Path:
     """Write an in-memory model as a checkpoint (sharded safetensors + index), atomically; returns its path."""
-    from layercut.export.checkpoint import atomic_dir, check_output_dir, write_checkpoint_into
+    from layercut.compress.core.save import atomic_dir, check_output_dir, write_checkpoint_into
     from layercut.export.export import DTYPES, ensure_index
 
     cfg = _config(ExportConfig, config, options)
@@ -162,8 +162,8 @@ def export(model, tokenizer, output: str | os.PathLike, config: ExportConfig | N
 def run(recipe: Recipe | str | os.PathLike, output: str | os.PathLike, resume: bool = False,
         progress: bool = True) -> dict:
     """Run a whole recipe (a :class:`Recipe` or a YAML path) into the run directory ``output``."""
-    from layercut.compress.pipeline import run_recipe
-    from layercut.compress.recipe import load_recipe
+    from layercut.compress.workflow.pipeline import run_recipe
+    from layercut.compress.workflow.recipe import load_recipe
 
     return run_recipe(recipe if isinstance(recipe, Recipe) else load_recipe(recipe), output, resume=resume,
                       progress=progress)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from layercut.compress.cli import main
+from layercut.compress.workflow.cli import main
 
 __all__ = ["main"]
 

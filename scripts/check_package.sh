@@ -33,12 +33,12 @@ import importlib.util
 import sys
 
 import layercut
-import layercut.compress.cli  # noqa: F401
+import layercut.compress.workflow.cli  # noqa: F401
 import layercut.export.card  # noqa: F401
 
 site = sys.argv[1]
 assert layercut.__file__.startswith(site), layercut.__file__
-assert layercut.compress.cli.__file__.startswith(site), layercut.compress.cli.__file__
+assert layercut.compress.workflow.cli.__file__.startswith(site), layercut.compress.workflow.cli.__file__
 for bare in ("compress", "calibrate", "heal", "export"):
     assert importlib.util.find_spec(bare) is None, f"a bare '{bare}' is importable"
 print(f"check_package: wheel installs only layercut ({len(sys.modules)} modules import)")

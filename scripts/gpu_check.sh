@@ -44,7 +44,7 @@ smoke() {  # one GEMV through the CUDA C kernel against the reference
   LAYERCUT_KERNEL_LIB="$1" LAYERCUT_KERNELS=cuda "$PY" - <<'EOF'
 import torch
 from layercut.compress.kernels import ops
-from layercut.compress.quant.pack import pack_gptq
+from layercut.compress.quant.format.pack import pack_gptq
 q = torch.randint(0, 16, (256, 512), device="cuda"); z = torch.randint(1, 16, (4, 256), device="cuda")
 s = torch.rand(4, 256, device="cuda") * 0.01; g = torch.arange(512, device="cuda") // 128
 p = pack_gptq(q, z, s, g, 4); a = [p[k] for k in ("qweight", "qzeros", "scales", "g_idx")]

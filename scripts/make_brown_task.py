@@ -2,7 +2,7 @@
 
 Run (the result is committed; rerun only to change the task, then bump its version)::
 
-    python scripts/make_brown_task.py            # writes compress/tasks/brown_cloze/brown_cloze.jsonl
+    python scripts/make_brown_task.py            # writes compress/eval/tasks/brown_cloze/brown_cloze.jsonl
     python scripts/make_brown_task.py --check    # exit 1 if the shipped file differs from a rebuild
 
 The task is a LAMBADA-like cloze in multiple-choice form. From each paragraph of

@@ -16,8 +16,8 @@ import torch
 
 from layercut.calibrate.capture import run_blocks
 from layercut.calibrate.data import CalibSet
-from layercut.compress.distributed import process_group
-from layercut.compress.quant.driver import SEQUENTIAL, HessianSet
+from layercut.compress.core.distributed import process_group
+from layercut.compress.quant.solve.driver import SEQUENTIAL, HessianSet
 from tests.conftest import VOCAB, build_tiny_model
 
 SAMPLES, SEQ_LEN, BATCH = 9, 32, 2

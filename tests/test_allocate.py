@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from layercut.compress.errors import LayercutError
-from layercut.compress.quant.allocate import (
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.quant.search.allocate import (
     Allocation,
     Unit,
     allocate_bits,

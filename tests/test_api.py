@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import layercut
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,7 @@ def _state(model) -> dict[str, torch.Tensor]:
 def test_prune_in_memory_equals_prune_on_disk(tiny_model_dir, tmp_path):
     """layercut.prune (memory) and the prune stage's run (disk) give the same weights: one core."""
     from layercut.compress.depth.config import PruneConfig
-    from layercut.compress.stages.prune import run
+    from layercut.compress.workflow.stages.prune import run
 
     src = tiny_model_dir("llama")
     config = PruneConfig(drop=2, select="block-influence", replace="lstsq", samples=4, seq_len=32, batch_size=2)
@@ -52,7 +52,7 @@ def test_prune_in_memory_equals_prune_on_disk(tiny_model_dir, tmp_path):
 
 def test_score_in_memory_equals_score_on_disk(tiny_model_dir):
     from layercut.compress.select.config import ScoreConfig
-    from layercut.compress.stages.score import run
+    from layercut.compress.workflow.stages.score import run
 
     src = tiny_model_dir("llama")
     config = ScoreConfig(method="block-influence,angular,gate-norm", drop=2, samples=4, seq_len=32, batch_size=2)
@@ -68,9 +68,9 @@ def test_score_in_memory_equals_score_on_disk(tiny_model_dir):
 def test_quantize_in_memory_equals_the_checkpoint(tiny_model_dir, tmp_path):
     """layercut.quantize leaves each linear holding exactly what the stage's checkpoint decodes to."""
     from layercut.compress.quant.config import QuantizeConfig
-    from layercut.compress.quant.qlinear import QuantLinear
-    from layercut.compress.stages.base import RunEnv
-    from layercut.compress.stages.quantize import run
+    from layercut.compress.quant.format.qlinear import QuantLinear
+    from layercut.compress.workflow.stages.base import RunEnv
+    from layercut.compress.workflow.stages.quantize import run
 
     src = tiny_model_dir("llama")
     config = QuantizeConfig(avg_bits=6.0, candidates=[4, 8], group_size=32, samples=4, seq_len=32, batch_size=2,
@@ -126,8 +126,8 @@ def test_api_evaluate_export_and_options(tiny_model_dir, tmp_path):
 
 def test_dtype_reaches_the_loader(tiny_model_dir):
     """--dtype is the load/compute dtype of every stage: bf16 evaluates close to, not equal to, fp32."""
-    from layercut.compress.eval_config import EvalConfig
-    from layercut.compress.stages.eval import run
+    from layercut.compress.eval.config import EvalConfig
+    from layercut.compress.workflow.stages.eval import run
 
     src = tiny_model_dir("llama")
     assert next(layercut.load(src, dtype="bf16")[0].parameters()).dtype == torch.bfloat16
@@ -152,8 +152,8 @@ def test_every_module_has_one_name_and_the_op_registers_once():
     folders sit on sys.path) refuses with one line instead of loading a second copy."""
     import layercut.compress.kernels.ops as ops
 
-    code = ("import sys, layercut, layercut.compress.kernels.ops, layercut.compress.quant.qlinear\n"
-            "import layercut.heal.train, layercut.export.export, layercut.compress.cli, layercut.compress.pipeline\n"
+    code = ("import sys, layercut, layercut.compress.kernels.ops, layercut.compress.quant.format.qlinear\n"
+            "import layercut.heal.train, layercut.export.export, layercut.compress.workflow.cli, layercut.compress.workflow.pipeline\n"
             "files = {}\n"
             "for name, m in list(sys.modules.items()):\n"
             "    f = getattr(m, '__file__', None)\n"
@@ -196,7 +196,7 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 def test_version_and_help_do_not_load_torch():
     res = _cli("--version")
     assert res.returncode == 0 and res.stdout.strip() == f"layercut {layercut.__version__}"
-    code = ("import sys\nfrom layercut.compress.cli import main\n"
+    code = ("import sys\nfrom layercut.compress.workflow.cli import main\n"
             "for argv in (['--help'], ['quantize', '--help'], ['eval', '--help'], ['run', '--help']):\n"
             "    assert main(argv) == 0\n"
             "import layercut\n"
@@ -208,7 +208,7 @@ def test_version_and_help_do_not_load_torch():
 
 
 def test_quiet_and_verbose(tiny_model_dir, capsys):
-    from layercut.compress.cli import main
+    from layercut.compress.workflow.cli import main
 
     model = str(tiny_model_dir("llama"))
     root = list(logging.getLogger().handlers)

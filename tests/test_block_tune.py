@@ -1,4 +1,4 @@
-"""Block-wise reconstruction after GPTQ (compress/quant/block_tune.py): the hand-written backward,
+"""Block-wise reconstruction after GPTQ (compress/quant/solve/block_tune.py): the hand-written backward,
 what a tuned block may change (codes one step, scales, nothing else), that it lowers the block's
 output error and the model's KL, the float-stream target, the checkpoint it writes (streamed equals
 in memory; stock transformers and layercut's loader read it), and bad input."""
@@ -13,10 +13,16 @@ import torch
 
 from layercut.calibrate.capture import run_blocks
 from layercut.calibrate.data import CalibSet
-from layercut.compress.quant.block_tune import BlockTune, TunedLinear, channel_weights, masked_mse, tune_block
-from layercut.compress.quant.driver import SolverConfig, _BlockTuner, quantize_model
-from layercut.compress.quant.gptq import gptq_quantize, hessian_update
-from layercut.compress.quant.result import QuantizeResult
+from layercut.compress.quant.format.result import QuantizeResult
+from layercut.compress.quant.solve.block_tune import (
+    BlockTune,
+    TunedLinear,
+    channel_weights,
+    masked_mse,
+    tune_block,
+)
+from layercut.compress.quant.solve.driver import SolverConfig, _BlockTuner, quantize_model
+from layercut.compress.quant.solve.gptq import gptq_quantize, hessian_update
 from tests.test_cli_errors import check_one_error, tree
 from tests.test_quantize import small_model
 
@@ -177,7 +183,7 @@ def test_tune_block_puts_the_modules_back():
 def tuned_dirs(tmp_path_factory, tiny_tokenizer):
     """The small llama quantized with block tuning through the CLI: streamed (the default for a
     checkpoint) and whole-model."""
-    from layercut.compress.cli import main
+    from layercut.compress.workflow.cli import main
 
     root = tmp_path_factory.mktemp("block-tune")
     src = root / "src"
@@ -210,7 +216,7 @@ def test_streamed_equals_whole_model_and_the_report_says_so(tuned_dirs):
 def test_stock_transformers_and_layercut_load_it_alike(tuned_dirs):
     from transformers import AutoModelForCausalLM
 
-    from layercut.compress.quant.loader import load_quantized
+    from layercut.compress.quant.format.loader import load_quantized
 
     src, streamed, _ = tuned_dirs
     ours = load_quantized(streamed)
@@ -293,7 +299,7 @@ def test_channel_loss_tunes_a_model():
                                  dict(loss="l1"),
                                  dict(scale_lr=float("nan"))])
 def test_python_api_refuses_bad_settings(bad):
-    from layercut.compress.errors import LayercutError
+    from layercut.compress.core.errors import LayercutError
 
     with pytest.raises(LayercutError, match="block tuning"):
         BlockTune(**bad).check()

@@ -8,7 +8,7 @@ import torch
 from layercut.calibrate.capture import capture_inputs, run_blocks
 from layercut.calibrate.data import CalibSet
 from layercut.calibrate.stats import CosineStats, GramStats, last_token_index, last_tokens
-from layercut.compress.arch import arch_for, get_submodule
+from layercut.compress.core.arch import arch_for, get_submodule
 from tests.conftest import FAMILIES, build_tiny_model
 
 
@@ -138,7 +138,7 @@ def test_blocks_run_on_the_stage_device(calib, monkeypatch):
 
     No second device exists on a CPU machine, so the compute device is the meta device: the
     callback sees the block and its inputs there (and stops the pass)."""
-    from layercut.compress import devices
+    from layercut.compress.core import devices
 
     model = build_tiny_model("llama")
     seen = {}

@@ -1,6 +1,6 @@
 """Bad input across the CLI: one clear ``error:`` line, a non-zero exit, no partial output.
 
-Each case runs ``layercut.compress.cli.main`` in-process (fast) and checks: exit code, exactly one
+Each case runs ``layercut.compress.workflow.cli.main`` in-process (fast) and checks: exit code, exactly one
 non-empty stderr line starting with ``error:`` and containing the expected words, empty
 stdout, and that the file tree under the test's folder is unchanged apart from what the
 case explicitly allows (nothing, for all of them).
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from layercut.compress.cli import main
-from layercut.compress.pipeline import KILL_ENV
+from layercut.compress.workflow.cli import main
+from layercut.compress.workflow.pipeline import KILL_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD_STAGES = """  - prune: {layers: [2], samples: 2, seq_len: 16}

@@ -12,7 +12,7 @@ import torch
 
 from layercut.calibrate import DEFAULT_EVAL_TEXT
 from layercut.calibrate.data import DATA_DIR, EVAL_TEXTS, calibration_batch, load_texts
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 
 
 def test_bundled_brown_split_is_disjoint_and_documented():

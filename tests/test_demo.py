@@ -74,7 +74,7 @@ def demo_run(tmp_path: Path) -> Path:
     """A finished run of the demo recipe: ``$LAYERCUT_DEMO_RUN`` when set (CI points it at README
     command 1's own ``runs/demo``, so the demo is not run twice), provided it ran this very
     recipe; else a fresh ``layercut run`` into ``tmp_path``."""
-    from layercut.compress.recipe import Recipe
+    from layercut.compress.workflow.recipe import Recipe
 
     given = os.environ.get("LAYERCUT_DEMO_RUN")
     if given:

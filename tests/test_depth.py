@@ -12,7 +12,8 @@ from torch import nn
 
 from layercut.calibrate.capture import run_blocks
 from layercut.calibrate.data import CalibSet
-from layercut.compress.arch import arch_for, get_submodule
+from layercut.compress.core.arch import arch_for, get_submodule
+from layercut.compress.core.errors import LayercutError
 from layercut.compress.depth.blocks import drop_blocks
 from layercut.compress.depth.cores import (
     cosine_map,
@@ -26,7 +27,6 @@ from layercut.compress.depth.cores import (
 from layercut.compress.depth.fuse import fuse_blocks
 from layercut.compress.depth.replace import fit_linear_maps, linear_replace, merge_maps
 from layercut.compress.depth.sublayers import drop_sublayers
-from layercut.compress.errors import LayercutError
 from tests.conftest import FAMILIES, build_tiny_model
 
 LLAMA_LIKE = ["llama", "mistral", "qwen2", "qwen3"]
@@ -434,7 +434,7 @@ def test_fuse_fit_finds_the_known_optimum(calib):
 
 # -- CLI ---------------------------------------------------------------------------------------------
 def _cli(*argv):
-    from layercut.compress.cli import main
+    from layercut.compress.workflow.cli import main
 
     return main([str(a) for a in argv])
 
@@ -510,7 +510,7 @@ def test_real_model_prune_outputs_load(tmp_path):
     """SmolLM2: block drop loads in stock transformers; attention drop (gate-norm) with remote code."""
     from transformers import AutoModelForCausalLM
 
-    from layercut.compress.stages.prune import prune
+    from layercut.compress.workflow.stages.prune import prune
 
     blocks = prune("bundled:smollm2-135m", tmp_path / "blocks", layers="12-17,25,26", progress=False)
     assert blocks["num_layers_after"] == 22

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from layercut.compress.distributed import Group
+from layercut.compress.core.distributed import Group
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = ["--bits", "4", "--group-size", "32", "--samples", "9", "--seq-len", "32", "--batch-size", "2",
@@ -81,8 +81,8 @@ def test_a_share_alone_gives_other_codes(tiny_model_dir):
     """What the comparison above guards against: a rank solving on its own share of the Hessian
     (no gather) writes other codes, so the byte comparison turns red."""
     from layercut.calibrate.data import CalibSet, calibration_batch
-    from layercut.compress.models import load_model
-    from layercut.compress.quant.driver import SolverConfig, quantize_model
+    from layercut.compress.io.models import load_model
+    from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
 
     model_dir = tiny_model_dir("llama")
     cfg = SolverConfig(bits=4, group_size=32)

@@ -29,8 +29,8 @@ def modules_with_examples() -> list[str]:
 
 def test_examples_are_found():
     found = modules_with_examples()
-    for name in ("layercut.compress.recipe", "layercut.compress.depth.config", "layercut.compress.quant.config",
-                 "layercut.compress.stages.base", "layercut.calibrate.sources"):
+    for name in ("layercut.compress.workflow.recipe", "layercut.compress.depth.config", "layercut.compress.quant.config",
+                 "layercut.compress.workflow.stages.base", "layercut.calibrate.sources"):
         assert name in found
 
 

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from layercut.calibrate import DEFAULT_EVAL_TEXT
-from layercut.compress.cli import main
-from layercut.compress.evaluate import eval_tokens, evaluate, make_windows
-from layercut.compress.models import load_model
+from layercut.compress.eval.evaluate import eval_tokens, evaluate, make_windows
+from layercut.compress.io.models import load_model
+from layercut.compress.workflow.cli import main
 
 
 def test_windows_follow_protocol():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 
-from layercut.compress.cli import main
+from layercut.compress.workflow.cli import main
 from layercut.export.export import INDEX, check_pt_metadata
 
 
@@ -50,7 +50,7 @@ def test_single_shard_gets_an_index(tiny_model_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def quantized(tiny_model_dir, tmp_path_factory):
-    from layercut.compress.stages.quantize import quantize_checkpoint
+    from layercut.compress.workflow.stages.quantize import quantize_checkpoint
 
     out = tmp_path_factory.mktemp("q") / "q4"
     quantize_checkpoint(str(tiny_model_dir("llama")), out, bits=4, group_size=32, samples=4, seq_len=32,
@@ -61,7 +61,7 @@ def quantized(tiny_model_dir, tmp_path_factory):
 def test_dequantize_matches_the_quantized_model(quantized, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from layercut.compress.models import load_model
+    from layercut.compress.io.models import load_model
 
     out = tmp_path / "dense"
     assert main(["export", str(quantized), "-o", str(out), "--dequantize", "--json"]) == 0
@@ -114,13 +114,13 @@ def _tensors(folder):
 @pytest.mark.parametrize("save", [None, "fp16", "bf16"])
 def test_streamed_dense_export_equals_the_whole_model_path(tiny_model_dir, tmp_path, save, monkeypatch):
     """A dense export is a tensor-by-tensor copy (one tensor in memory), equal to load + save_pretrained."""
-    import layercut.compress.models
+    import layercut.compress.io.models
 
     src = tiny_model_dir("llama")
     flags = ["--save-dtype", save] if save else []
     calls = []
-    real = layercut.compress.models.load_model
-    monkeypatch.setattr(layercut.compress.models, "load_model", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = layercut.compress.io.models.load_model
+    monkeypatch.setattr(layercut.compress.io.models, "load_model", lambda *a, **k: calls.append(a) or real(*a, **k))
     assert main(["export", str(src), "-o", str(tmp_path / "streamed"), "--no-card", *flags]) == 0
     assert calls == []  # the streamed path never builds the model
     assert main(["export", str(src), "-o", str(tmp_path / "whole"), "--no-card", "--whole-model", *flags]) == 0

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from layercut.compress.cli import main
+from layercut.compress.workflow.cli import main
 from tests.conftest import import_extra
 
 
@@ -20,7 +20,7 @@ def ct():
 
 @pytest.fixture(scope="module")
 def uniform(tiny_model_dir, tmp_path_factory):
-    from layercut.compress.stages.quantize import quantize_checkpoint
+    from layercut.compress.workflow.stages.quantize import quantize_checkpoint
 
     out = tmp_path_factory.mktemp("q") / "q4"
     quantize_checkpoint(str(tiny_model_dir("llama")), out, bits=4, group_size=32, samples=4, seq_len=32,
@@ -30,7 +30,7 @@ def uniform(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def symmetric(tiny_model_dir, tmp_path_factory):
-    from layercut.compress.stages.quantize import quantize_checkpoint
+    from layercut.compress.workflow.stages.quantize import quantize_checkpoint
 
     out = tmp_path_factory.mktemp("q") / "q8sym"
     quantize_checkpoint(str(tiny_model_dir("llama")), out, bits=8, group_size=64, sym=True, samples=4, seq_len=32,
@@ -41,8 +41,8 @@ def symmetric(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def mixed(tiny_tokenizer, tmp_path_factory):
     """4-bit g32 base; layer 1 8-bit per channel; 3-bit g64 and g128 linears; a 4-bit g64 group."""
-    from layercut.compress.quant.checkpoint import save_quantized
-    from layercut.compress.quant.driver import SolverConfig, quantize_model
+    from layercut.compress.quant.format.checkpoint import save_quantized
+    from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
     from tests.test_mixed_precision import _pair_plan
     from tests.test_quantize import _calib, small_model
 
@@ -75,7 +75,7 @@ def _check_decompressor(src, out, qc) -> int:
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationConfig
 
-    from layercut.compress.quant.loader import load_quantized
+    from layercut.compress.quant.format.loader import load_quantized
 
     config = QuantizationConfig.model_validate(qc)
     ours = load_quantized(src)
@@ -102,7 +102,7 @@ def _logits(model, ids):
 def test_uniform_gptq_reads_back_in_compressed_tensors_and_transformers(ct, uniform, tmp_path):
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    from layercut.compress.models import load_model
+    from layercut.compress.io.models import load_model
 
     out = tmp_path / "ct"
     qc = _convert(uniform, out)
@@ -143,7 +143,7 @@ def test_symmetric_gptq_is_written_without_zero_points(ct, symmetric, tmp_path):
     assert _check_decompressor(symmetric, out, qc) == 42
     from transformers import AutoModelForCausalLM
 
-    from layercut.compress.models import load_model
+    from layercut.compress.io.models import load_model
 
     ids = torch.randint(4, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     ours, _ = load_model(symmetric)

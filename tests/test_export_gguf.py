@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layercut.compress.cli import main
+from layercut.compress.workflow.cli import main
 
 TYPES = ("f16", "bf16", "q8_0")
 LOGIT_ATOL = {"f16": 2e-3, "bf16": 2e-2, "q8_0": 3e-2}  # logits of magnitude ~0.6
@@ -51,7 +51,7 @@ def _layercut_read(gguf_path, cache, monkeypatch) -> dict[str, torch.Tensor]:
     """The GGUF through layercut's own reader (``resolve_model`` converts it to float32 safetensors)."""
     from safetensors.torch import load_file
 
-    from layercut.compress.models import resolve_model
+    from layercut.compress.io.models import resolve_model
 
     monkeypatch.setenv("LAYERCUT_CACHE", str(cache))
     folder = resolve_model(gguf_path)
@@ -70,7 +70,7 @@ def _logits(model, ids):
 def test_gguf_reads_back_in_layercut_and_transformers(tiny_model_dir, tmp_path, monkeypatch, gguf_type):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from layercut.compress.models import load_model
+    from layercut.compress.io.models import load_model
 
     src = tiny_model_dir("llama")
     path = _export(src, tmp_path / "gguf", gguf_type)
@@ -121,7 +121,7 @@ def test_depth_pruned_checkpoint(tiny_model_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def gptq_dir(tiny_model_dir, tmp_path_factory):
-    from layercut.compress.stages.quantize import quantize_checkpoint
+    from layercut.compress.workflow.stages.quantize import quantize_checkpoint
 
     out = tmp_path_factory.mktemp("q") / "q4"
     quantize_checkpoint(str(tiny_model_dir("llama")), out, bits=4, group_size=32, samples=4, seq_len=32,
@@ -156,7 +156,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(case, words, tiny_model_
 def test_sentencepiece_tokenizer_is_refused(tmp_path):
     import json
 
-    from layercut.compress.errors import LayercutError
+    from layercut.compress.core.errors import LayercutError
     from layercut.export.gguf_vocab import read_tokenizer_json
 
     (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "byte_fallback": True},
@@ -172,7 +172,7 @@ def test_smollm2_tokenizer_metadata_matches_the_llama_cpp_gguf(tmp_path):
     tokenizer (transformers' GGUF reader) has no digit splitting."""
     from gguf import GGUFReader
 
-    from layercut.compress.models import bundled_gguf_path, resolve_model
+    from layercut.compress.io.models import bundled_gguf_path, resolve_model
     from layercut.export.gguf import write_gguf
 
     path = tmp_path / "smol.gguf"

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from layercut.compress.cli import main
-from layercut.compress.errors import GateFailed, LayercutError
-from layercut.compress.gates import check_gates, enforce_gates, parse_limit
+from layercut.compress.core.errors import GateFailed, LayercutError
+from layercut.compress.eval.gates import check_gates, enforce_gates, parse_limit
+from layercut.compress.workflow.cli import main
 
 
 def test_parse_limit():
@@ -37,7 +37,7 @@ def test_check_and_enforce():
 
 @pytest.fixture(scope="module")
 def pruned(tiny_model_dir, tmp_path_factory):
-    from layercut.compress.stages.prune import prune
+    from layercut.compress.workflow.stages.prune import prune
 
     out = tmp_path_factory.mktemp("gates") / "pruned"
     prune(str(tiny_model_dir("llama")), out, layers=[4], progress=False)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layercut.compress.errors import LayercutError
-from layercut.compress.quant.gptq import gptq_quantize, hessian_update, layer_loss, rtn_quantize
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.quant.solve.gptq import gptq_quantize, hessian_update, layer_loss, rtn_quantize
 
 OUT, IN, N = 48, 128, 1024
 
@@ -220,7 +220,7 @@ def test_hessian_update_streams_and_masks_padding():
 
 @pytest.mark.parametrize("bits, act_order, sym", [(4, False, False), (3, True, False), (2, False, True), (8, True, True)])
 def test_result_packs_to_gptq_v1_and_back(bits, act_order, sym):
-    from layercut.compress.quant.pack import dequantize_gptq, pack_gptq
+    from layercut.compress.quant.format.pack import dequantize_gptq, pack_gptq
 
     W, _, H = _layer(13)
     r = gptq_quantize(W, H, bits, 32, sym=sym, act_order=act_order)
@@ -279,7 +279,7 @@ def test_overwrite_h_solves_in_place_with_identical_results(order):
 
 
 def test_solve_group_overwrite_keeps_the_undamped_losses():
-    from layercut.compress.quant.driver import SolverConfig, solve_group
+    from layercut.compress.quant.solve.driver import SolverConfig, solve_group
 
     W, _, H = _layer(12)
     cfg = SolverConfig(bits=4, group_size=32)
@@ -294,7 +294,7 @@ def test_solve_group_overwrite_keeps_the_undamped_losses():
 def test_inverse_factor_equals_the_reference_route(dtype):
     """U from one reversed factorization (two [in, in] buffers) is the reference route's
     chol(inv(H + λI), upper) to rounding: UᵀU = (H + λI)⁻¹ and U is upper triangular."""
-    from layercut.compress.quant.gptq import _inverse_cholesky
+    from layercut.compress.quant.solve.gptq import _inverse_cholesky
 
     _, _, H = _layer(13)
     lam = 0.01 * float(H.diagonal().mean())
@@ -325,8 +325,8 @@ def test_float32_solve_matches_float64_within_rounding():
 def test_results_built_in_row_slices_equal_whole_tensor_ops(monkeypatch):
     """_finish and pack_gptq work in row slices (bounded temporaries): forcing many slices
     changes no bit of the codes, dequantized weights or packed words."""
-    import layercut.compress.quant.gptq as G
-    import layercut.compress.quant.pack as P
+    import layercut.compress.quant.format.pack as P
+    import layercut.compress.quant.solve.gptq as G
 
     W, _, H = _layer(15)
     whole = gptq_quantize(W, H, 3, 32, act_order=True)  # act-order: g_idx is not contiguous
@@ -342,7 +342,7 @@ def test_results_built_in_row_slices_equal_whole_tensor_ops(monkeypatch):
 
 
 def test_solve_group_box_is_emptied_and_the_config_checks_its_dtype():
-    from layercut.compress.quant.driver import SolverConfig, solve_group
+    from layercut.compress.quant.solve.driver import SolverConfig, solve_group
 
     W, _, H = _layer(17)
     box = [H.clone()]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from layercut.compress.quant.config import QuantizeConfig
-from layercut.compress.quant.driver import auto_group_size
-from layercut.compress.stages.quantize import quantize_model
+from layercut.compress.quant.solve.driver import auto_group_size
+from layercut.compress.workflow.stages.quantize import quantize_model
 from tests.conftest import build_tiny_model, tiny_config
 
 

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from layercut.calibrate.data import CalibSet
-from layercut.compress.cli import main
+from layercut.compress.core.errors import LayercutError
 from layercut.compress.depth.blocks import drop_blocks
-from layercut.compress.errors import LayercutError
+from layercut.compress.workflow.cli import main
 from layercut.heal.config import HealConfig
 from layercut.heal.data import build_topk_cache, heal_data, sample_order
 from layercut.heal.lora import dequantize_modules, lora_module_count, resolve_targets, wrap_lora
@@ -257,8 +257,8 @@ def test_resume_matches_uninterrupted_run(tiny_tokenizer, tmp_path):
 
 
 def test_quantized_input_trains_over_dequantized_layers(tiny_tokenizer, tmp_path):
-    from layercut.compress.quant.gptq import rtn_quantize
-    from layercut.compress.quant.qlinear import QuantLinear
+    from layercut.compress.quant.format.qlinear import QuantLinear
+    from layercut.compress.quant.solve.gptq import rtn_quantize
 
     teacher, student = _peaked()
     for block in student.model.layers:
@@ -315,7 +315,7 @@ def test_topk_cache_shapes(tiny_tokenizer):
 def test_cli_heal_end_to_end(tiny_model_dir, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from layercut.compress.models import load_model
+    from layercut.compress.io.models import load_model
 
     src = tiny_model_dir("llama")
     pruned = tmp_path / "pruned"
@@ -422,7 +422,7 @@ def test_heal_model_refuses_foreign_teacher(tiny_tokenizer, tmp_path):
 
 def test_cli_heal_quantized_checkpoint(tiny_model_dir, tmp_path, capsys):
     """A GPTQ checkpoint from layercut's quantizer: trained over dequantized layers, adapter kept."""
-    from layercut.compress.stages.quantize import quantize_checkpoint
+    from layercut.compress.workflow.stages.quantize import quantize_checkpoint
 
     src = tiny_model_dir("llama")
     qdir = tmp_path / "q4"
@@ -444,7 +444,7 @@ def test_cli_heal_quantized_checkpoint(tiny_model_dir, tmp_path, capsys):
 
 def test_teacher_topk_default_and_lm_loss():
     """Top-64 is the default for the distillation losses; lm needs no teacher, so only an explicit K is an error."""
-    from layercut.compress.errors import LayercutError
+    from layercut.compress.core.errors import LayercutError
 
     assert HealConfig().teacher_topk == 64 and HealConfig(loss="lm").loss == "lm"
     with pytest.raises((ValueError, LayercutError), match="needs a distillation loss"):
@@ -467,7 +467,7 @@ def test_bf16_checkpoint_heals_over_a_bf16_base(tiny_tokenizer, tmp_path, capsys
         seen.setdefault("base", {p.dtype for n, p in model.named_parameters() if "lora_" not in n})
         seen.setdefault("lora", {p.dtype for n, p in model.named_parameters() if "lora_" in n})
 
-    from layercut.compress.models import load_model
+    from layercut.compress.io.models import load_model
 
     student, _ = load_model(tmp_path / "student", dtype=torch.bfloat16)
     cfg = HealConfig(steps=4, samples=8, seq_len=24, batch_size=2, rank=4, data_offset=0, lr=2e-3, teacher_topk=0)

@@ -38,7 +38,7 @@ def _run(argv: list[str], tmp_path, out) -> dict:
 
 
 def test_two_process_gloo_heal_matches_one_process(tiny_model_dir, tmp_path):
-    from layercut.compress.models import load_model
+    from layercut.compress.io.models import load_model
 
     src = tiny_model_dir("llama")
     student = tmp_path / "pruned"

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from layercut.cli import main
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 ARGS = ["--steps", "12", "--seq-len", "24", "--batch", "2", "--data-offset", "0", "--lr", "5e-3", "--teacher-topk", "0"]
@@ -35,7 +35,7 @@ def _kl(student, teacher, ids) -> float:
 @pytest.fixture(scope="module")
 def q3(tiny_model_dir, tmp_path_factory):
     """A tiny llama at 3-bit g32 (GPTQ), and its source."""
-    from layercut.compress.stages.quantize import quantize_checkpoint
+    from layercut.compress.workflow.stages.quantize import quantize_checkpoint
 
     src = tiny_model_dir("llama")
     qdir = tmp_path_factory.mktemp("scales") / "q3"
@@ -46,7 +46,7 @@ def q3(tiny_model_dir, tmp_path_factory):
 def test_only_scales_change_and_the_teacher_gets_closer(q3, tmp_path, tiny_tokenizer, capsys):
     """Red if any code, zero, g_idx, norm or embedding changed, if the tuned scales were not written
     back (identical to the source's), or if training moved away from the teacher."""
-    from layercut.compress.models import load_model
+    from layercut.compress.io.models import load_model
 
     src, qdir = q3
     out = tmp_path / "tuned"
@@ -82,8 +82,8 @@ def test_tuned_checkpoint_loads_in_gptqmodel_with_the_same_logits(q3, tmp_path, 
     pytest.importorskip("gptqmodel")
     from gptqmodel import GPTQModel
 
-    from layercut.compress.quant.loader import load_quantized
-    from layercut.compress.stages.heal import run
+    from layercut.compress.quant.format.loader import load_quantized
+    from layercut.compress.workflow.stages.heal import run
     from layercut.heal.config import HealConfig
 
     src, qdir = q3
@@ -111,7 +111,7 @@ def test_scale_tuning_refuses_dense_input_and_resume(tiny_model_dir, q3, tmp_pat
 
 def test_wrap_scales_starts_where_the_quantized_model_is(q3, tiny_tokenizer):
     """θ = 0 computes what the QuantLinear did; unwrapping with θ = 0 returns the same fp16 scales."""
-    from layercut.compress.models import load_model
+    from layercut.compress.io.models import load_model
     from layercut.heal.scales import unwrap_scales, wrap_scales
 
     _, qdir = q3
@@ -132,7 +132,7 @@ def test_wrap_scales_starts_where_the_quantized_model_is(q3, tiny_tokenizer):
 
 
 def test_recipe_order_for_scale_tuning():
-    from layercut.compress.recipe import Recipe
+    from layercut.compress.workflow.recipe import Recipe
 
     base = {"version": 1, "model": "m"}
     Recipe.model_validate(base | {"stages": [{"quantize": {"bits": 4}}, {"heal": {"method": "scales"}},
@@ -146,8 +146,8 @@ def test_recipe_order_for_scale_tuning():
 def test_recipe_quantize_then_tune_scales_then_export(tiny_model_dir, tmp_path):
     """The demo's shape on a tiny model: the run writes a GPTQ checkpoint with the quantize stage's
     codes and bytes, the tuned scales, a card that names both stages, and an eval of it."""
-    from layercut.compress.pipeline import run_recipe
-    from layercut.compress.recipe import Recipe
+    from layercut.compress.workflow.pipeline import run_recipe
+    from layercut.compress.workflow.recipe import Recipe
 
     src = tiny_model_dir("llama")
     stages = [{"quantize": {"bits": 4, "group_size": 32, "samples": 4, "seq_len": 32}},

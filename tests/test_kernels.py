@@ -15,9 +15,9 @@ import pytest
 import torch
 from gptq_codes import exact_sum_ok, random_codes, small_int_x
 
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 from layercut.compress.kernels import build, ops
-from layercut.compress.quant.pack import pack_gptq
+from layercut.compress.quant.format.pack import pack_gptq
 
 BITS = (2, 3, 4, 8)
 GROUP_SIZES = (-1, 32, 64, 128)
@@ -190,7 +190,7 @@ def test_import_never_initialises_cuda():
         "def boom(*a, **k):\n    raise SystemExit('CUDA touched at import')\n"
         "torch.cuda._lazy_init = boom\ntorch.cuda.init = boom\ntorch.cuda.current_device = boom\n"
         "torch.cuda.get_device_properties = boom\ntorch.cuda.current_stream = boom\n"
-        "import sys, layercut.compress.kernels.ops, layercut.compress.kernels.build, layercut.compress.quant.qlinear\n"
+        "import sys, layercut.compress.kernels.ops, layercut.compress.kernels.build, layercut.compress.quant.format.qlinear\n"
         "assert not torch.cuda.is_initialized()\n"
         "assert 'triton' not in sys.modules, 'triton imported eagerly'\nprint('ok')\n"
     )

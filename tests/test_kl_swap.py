@@ -10,13 +10,13 @@ import json
 import pytest
 import torch
 
-from layercut.compress.cli import main
-from layercut.compress.quant.allocate import allocate_bits, uniform_avg_bits
-from layercut.compress.quant.driver import SolverConfig
-from layercut.compress.quant.loader import load_quantized
-from layercut.compress.quant.mixed import compare_kl, float_weights, held_apart
-from layercut.compress.quant.sensitivity import allocation_units
-from layercut.compress.quant.swap import measure_swaps, quantize_variants, swap_candidates
+from layercut.compress.quant.format.loader import load_quantized
+from layercut.compress.quant.search.allocate import allocate_bits, uniform_avg_bits
+from layercut.compress.quant.search.mixed import compare_kl, float_weights, held_apart
+from layercut.compress.quant.search.sensitivity import allocation_units
+from layercut.compress.quant.search.swap import measure_swaps, quantize_variants, swap_candidates
+from layercut.compress.quant.solve.driver import SolverConfig
+from layercut.compress.workflow.cli import main
 from tests.test_quantize import _calib, small_model
 
 CANDS = [(3, -1), (3, 32), (4, 32)]
@@ -52,7 +52,7 @@ def test_swaps_equal_the_whole_model_kl(tiny_tokenizer):
     base, variants = quantize_variants(model, _calib(tiny_tokenizer, 4, 32), cfg, units, (3, 32), CANDS,
                                        batch_size=2, progress=False)
     held, _ = held_apart(tiny_tokenizer, "bundled:brown-calib", 3, 32, 0, 4, part=1)
-    from layercut.compress.quant.mixed import load_weights
+    from layercut.compress.quant.search.mixed import load_weights
 
     load_weights(model, fp)
     table = measure_swaps(model, held, units, variants, batch_size=2, progress=False,
@@ -149,7 +149,7 @@ def test_kl_swap_streams_like_the_whole_model(hot_dir, tmp_path):
     from safetensors.torch import load_file
 
     from layercut.compress.quant.config import QuantizeConfig
-    from layercut.compress.stages.quantize import run
+    from layercut.compress.workflow.stages.quantize import run
 
     kw = dict(avg_bits=_budget_one_promotion(small_model(), HOT), candidates="3g32,4g32",
               sensitivity="kl-swap", samples=4, seq_len=32, sensitivity_samples=3, batch_size=2)

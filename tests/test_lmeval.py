@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from layercut.compress.cli import main
-from layercut.compress.eval_config import EvalConfig
-from layercut.compress.lmeval import INSTALL_HINT, TASK_DIR
-from layercut.compress.stages.eval import run
+from layercut.compress.eval.config import EvalConfig
+from layercut.compress.eval.lmeval import INSTALL_HINT, TASK_DIR
+from layercut.compress.workflow.cli import main
+from layercut.compress.workflow.stages.eval import run
 from tests.conftest import import_extra
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +85,7 @@ def test_tasks_report_shape_and_values_match_a_direct_computation(lm_eval, tiny_
     assert report["lm_eval_version"] == lm_eval.__version__
     assert json.loads(out.read_text())["tasks"] == report["tasks"]  # the written report holds them too
 
-    from layercut.compress.models import load_model
+    from layercut.compress.io.models import load_model
 
     model, tokenizer = load_model(model_dir)
     acc, acc_norm = own_accuracy(model, tokenizer, rows()[:12])
@@ -100,8 +100,8 @@ def test_num_fewshot_reaches_the_task(lm_eval, tiny_model_dir):
 
 def test_tasks_on_a_depth_pruned_model_in_a_recipe(lm_eval, tiny_model_dir, tmp_path):
     """The recipe's eval stage takes the same options; the tasks land in eval.json and report.json."""
-    from layercut.compress.pipeline import run_recipe
-    from layercut.compress.recipe import Recipe
+    from layercut.compress.workflow.pipeline import run_recipe
+    from layercut.compress.workflow.recipe import Recipe
 
     recipe = Recipe.from_dict({"version": 1, "model": str(tiny_model_dir("llama")), "stages": [
         {"prune": {"layers": [4], "samples": 2, "seq_len": 16}},
@@ -115,21 +115,21 @@ def test_tasks_on_a_depth_pruned_model_in_a_recipe(lm_eval, tiny_model_dir, tmp_
 
 
 def test_tasks_on_a_gptq_checkpoint_run_its_quantlinear_layers(lm_eval, tiny_model_dir, tmp_path, monkeypatch):
-    import layercut.compress.lmeval
+    import layercut.compress.eval.lmeval
     from layercut.compress.quant.config import QuantizeConfig
-    from layercut.compress.quant.qlinear import QuantLinear
-    from layercut.compress.stages.quantize import run as quantize
+    from layercut.compress.quant.format.qlinear import QuantLinear
+    from layercut.compress.workflow.stages.quantize import run as quantize
 
     q = tmp_path / "q4"
     quantize(QuantizeConfig(bits=4, group_size=32, method="rtn"), tiny_model_dir("llama"), q)
     seen = {}
-    original = layercut.compress.lmeval.run_tasks
+    original = layercut.compress.eval.lmeval.run_tasks
 
     def spy(model, *args, **kwargs):
         seen["quantlinear"] = sum(isinstance(m, QuantLinear) for m in model.modules())
         return original(model, *args, **kwargs)
 
-    monkeypatch.setattr(layercut.compress.lmeval, "run_tasks", spy)
+    monkeypatch.setattr(layercut.compress.eval.lmeval, "run_tasks", spy)
     report = run(EvalConfig(**FAST, tasks="brown_cloze", limit=4), q)
     assert seen["quantlinear"] == 6 * 7  # every linear of the 6 blocks
     assert report["tasks"]["brown_cloze"]["samples"] == 4
@@ -218,8 +218,8 @@ def test_tasks_without_lm_eval_is_one_clear_line_before_any_work(tiny_model_dir,
 
 
 def test_layercut_and_eval_help_do_not_import_lm_eval():
-    code = ("import sys, layercut, layercut.compress.lmeval, layercut.compress.stages.eval\n"
-            "from layercut.compress.cli import main\n"
+    code = ("import sys, layercut, layercut.compress.eval.lmeval, layercut.compress.workflow.stages.eval\n"
+            "from layercut.compress.workflow.cli import main\n"
             "main(['eval', '--help'])\n"
             "print('lm_eval' in sys.modules)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)

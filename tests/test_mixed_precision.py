@@ -14,22 +14,22 @@ import shutil
 import pytest
 import torch
 
-from layercut.compress.arch import target_linears
-from layercut.compress.cli import main
-from layercut.compress.errors import LayercutError
-from layercut.compress.quant.allocate import (
+from layercut.compress.core.arch import target_linears
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.quant.config import QuantizeConfig
+from layercut.compress.quant.format.checkpoint import dynamic_overrides, resolve_dynamic, save_quantized
+from layercut.compress.quant.format.loader import load_quantized
+from layercut.compress.quant.search.allocate import (
     Unit,
     allocate_bits,
     candidate_label,
     parse_candidate,
     uniform_avg_bits,
 )
-from layercut.compress.quant.checkpoint import dynamic_overrides, resolve_dynamic, save_quantized
-from layercut.compress.quant.config import QuantizeConfig
-from layercut.compress.quant.driver import SolverConfig, quantize_model
-from layercut.compress.quant.loader import load_quantized
-from layercut.compress.quant.mixed import DEFAULT_CANDIDATES, TWO_BIT_CANDIDATES, resolve_candidates
-from layercut.compress.quant.sensitivity import allocation_units, measure_sensitivity
+from layercut.compress.quant.search.mixed import DEFAULT_CANDIDATES, TWO_BIT_CANDIDATES, resolve_candidates
+from layercut.compress.quant.search.sensitivity import allocation_units, measure_sensitivity
+from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+from layercut.compress.workflow.cli import main
 from tests.test_quantize import ATOL, _calib, _probe, small_model
 
 
@@ -290,7 +290,7 @@ def test_fallback_writes_uniform_when_mixed_loses(small_dir, tmp_path, capsys, m
     """Sensitivities inverted (2-bit 'harmless', 4-bit 'harmful'): the DP puts everything at 2
     bits, which must lose to uniform 4g32 on KL. Red if the mixed result were written anyway,
     or the decision and both KLs were not reported."""
-    import layercut.compress.quant.sensitivity as sens_mod
+    import layercut.compress.quant.search.sensitivity as sens_mod
 
     real = sens_mod.measure_sensitivity
 
@@ -347,7 +347,7 @@ def test_mixed_bits_stream_and_match_the_whole_model_path(small_dir, tmp_path, f
     compared other models, wrote the loser, or left a variant's folder behind."""
     from safetensors.torch import load_file
 
-    from layercut.compress.stages.quantize import run
+    from layercut.compress.workflow.stages.quantize import run
 
     kw = dict(avg_bits=4.3, candidates="3g32,4g32,8ch", samples=4, seq_len=32, sensitivity_samples=2,
               batch_size=2, fallback_check=fallback)

@@ -13,10 +13,10 @@ import pytest
 import torch
 from conftest import build_tiny_model
 
-from layercut.compress.errors import LayercutError
-from layercut.compress.models import check_weights, load_model, resolve_model
-from layercut.compress.units import check_size, parse_size
-from layercut.export.shards import INDEX, SINGLE, ShardWriter
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.core.shards import INDEX, SINGLE, ShardWriter
+from layercut.compress.core.units import check_size, parse_size
+from layercut.compress.io.models import check_weights, load_model, resolve_model
 
 
 def _save_sharded(model, tokenizer, folder: Path, max_bytes: int) -> list[Path]:
@@ -199,7 +199,7 @@ def test_streamed_gguf_conversion_matches_transformers(tmp_path, monkeypatch):
     """The one-tensor-at-a-time conversion equals transformers' whole-model GGUF load, bit for bit (fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from layercut.compress.models import bundled_gguf_path
+    from layercut.compress.io.models import bundled_gguf_path
 
     monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path))
     gguf = bundled_gguf_path("smollm2-135m")

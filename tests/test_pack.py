@@ -6,8 +6,8 @@ import pytest
 import torch
 from gptq_codes import random_codes
 
-from layercut.compress.errors import LayercutError
-from layercut.compress.quant.pack import dequantize_gptq, pack_gptq, packed_rows, unpack_gptq
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.quant.format.pack import dequantize_gptq, pack_gptq, packed_rows, unpack_gptq
 from tests.conftest import import_extra
 
 BITS = (2, 3, 4, 8)

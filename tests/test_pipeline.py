@@ -1,7 +1,7 @@
 """``layercut run``: run directory layout, reports, gates, and kill/resume byte identity.
 
 The kill tests run the CLI in a subprocess and SIGKILL it, either at named points
-(``LAYERCUT_KILL_AT``, see ``layercut.compress.pipeline._hook``) or at random times (slow), then
+(``LAYERCUT_KILL_AT``, see ``layercut.compress.workflow.pipeline._hook``) or at random times (slow), then
 ``--resume`` and compare the final checkpoint with an uninterrupted in-process run.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from layercut.compress.errors import GateFailed, LayercutError
-from layercut.compress.pipeline import KILL_ENV, run_recipe
-from layercut.compress.recipe import Recipe
+from layercut.compress.core.errors import GateFailed, LayercutError
+from layercut.compress.workflow.pipeline import KILL_ENV, run_recipe
+from layercut.compress.workflow.recipe import Recipe
 
 REPO = Path(__file__).resolve().parents[1]
 SPEED_ROW = "| tokens/s"
@@ -95,8 +95,8 @@ def test_run_directory_layout_and_report(reference_run):
     # the final (GPTQ) checkpoint loads with 4 decoder layers and computes finite logits
     import torch
 
-    from layercut.compress.models import load_model
-    from layercut.compress.quant.qlinear import QuantLinear
+    from layercut.compress.io.models import load_model
+    from layercut.compress.quant.format.qlinear import QuantLinear
 
     model, tokenizer = load_model(final)
     assert model.config.num_hidden_layers == 4 and len(model.model.layers) == 4
@@ -263,7 +263,7 @@ def test_peak_rss_is_per_block():
 
     import psutil
 
-    from layercut.compress.resources import PeakRSS
+    from layercut.compress.core.resources import PeakRSS
 
     def touched(mb: int) -> mmap.mmap:
         """Fresh anonymous pages, every one written: resident whatever the heap already holds

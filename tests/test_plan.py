@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from layercut.compress.cli import main
-from layercut.compress.models import weight_bytes
-from layercut.compress.plan.config import PlanConfig
-from layercut.compress.plan.space import Layout, enumerate_candidates, uniform_configs
-from layercut.compress.stages.base import RunEnv
+from layercut.compress.io.models import weight_bytes
+from layercut.compress.workflow.cli import main
+from layercut.compress.workflow.planner.config import PlanConfig
+from layercut.compress.workflow.planner.space import Layout, enumerate_candidates, uniform_configs
+from layercut.compress.workflow.stages.base import RunEnv
 
 FAST = ["--samples", "8", "--seq-len", "32"]
 
@@ -40,7 +40,7 @@ def test_enumeration_keeps_only_what_fits(layout):
 
 
 def test_dominated_configs_are_left_out_only_when_the_dominating_one_fits(layout):
-    from layercut.compress.plan.space import dominates
+    from layercut.compress.workflow.planner.space import dominates
 
     n = layout.num_blocks
     configs = uniform_configs(layout, [2, 3, 4], [64, -1])
@@ -57,8 +57,8 @@ def test_dominated_configs_are_left_out_only_when_the_dominating_one_fits(layout
 def test_predicted_bytes_equal_written_bytes(tiny_model_dir, layout, tmp_path):
     """Uniform, per-channel and mixed quantizations of the full and a cut model; the dense cut."""
     from layercut.compress.quant.config import QuantizeConfig
-    from layercut.compress.stages import prune, quantize
-    from layercut.compress.stages.prune import PruneConfig
+    from layercut.compress.workflow.stages import prune, quantize
+    from layercut.compress.workflow.stages.prune import PruneConfig
 
     src, env, n = tiny_model_dir("llama"), RunEnv(progress=False), layout.num_blocks
     rep = prune.run(PruneConfig(drop=2, select="block-influence", replace="lstsq", samples=8, seq_len=32),
@@ -103,7 +103,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tiny_model_dir, tmp_path, 
 
 
 def test_smallest_reachable_size_is_named(tiny_model_dir, tmp_path, capsys, layout):
-    from layercut.compress.plan.space import smallest_bytes
+    from layercut.compress.workflow.planner.space import smallest_bytes
 
     code, err, _ = _plan_cli(tmp_path, capsys, tiny_model_dir("llama"), "--target-size", "1%")
     smallest = smallest_bytes(layout, PlanConfig(size="1%").max_drop_count(layout.num_blocks),
@@ -112,9 +112,9 @@ def test_smallest_reachable_size_is_named(tiny_model_dir, tmp_path, capsys, layo
 
 
 def test_plan_end_to_end_writes_a_loadable_model_within_target(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    from layercut.compress.models import load_model
-    from layercut.compress.recipe import load_recipe
+    from layercut.compress.io.models import load_model
     from layercut.compress.select import driver
+    from layercut.compress.workflow.recipe import load_recipe
 
     calls = []
     real = driver.compute_scores
@@ -170,11 +170,11 @@ def test_block_scores_are_computed_once_for_all_cuts(tiny_model_dir, tmp_path, m
     """The first cut scores the blocks; later cuts select from those scores (nested removed sets),
     and pick exactly what the prune stage picks on its own."""
     from layercut.calibrate.sources import TextSource
-    from layercut.compress.models import load_tokenizer
-    from layercut.compress.plan.measure import KLJudge
-    from layercut.compress.plan.search import _cut, _prune_config, _removed
+    from layercut.compress.io.models import load_tokenizer
     from layercut.compress.select import driver
-    from layercut.compress.stages import prune
+    from layercut.compress.workflow.planner.measure import KLJudge
+    from layercut.compress.workflow.planner.search import _cut, _prune_config, _removed
+    from layercut.compress.workflow.stages import prune
 
     calls = []
     real = driver.compute_scores
@@ -198,7 +198,7 @@ def test_block_scores_are_computed_once_for_all_cuts(tiny_model_dir, tmp_path, m
 
 
 def test_cut_bound_skips_cuts_that_cannot_beat_the_best():
-    from layercut.compress.plan.search import cut_bound
+    from layercut.compress.workflow.planner.search import cut_bound
 
     assert cut_bound(0.3, [0.4, 0.2], 20, 30) == pytest.approx(0.3 + 0.2 * 20 / 30)
     assert cut_bound(0.3, [], 20, 30) == float("inf")  # nothing fits: nothing to measure
@@ -209,8 +209,8 @@ def test_rtn_prediction_leaves_the_source_weights_unchanged(tiny_model_dir):
     import torch
 
     from layercut.calibrate.sources import TextSource
-    from layercut.compress.models import load_tokenizer
-    from layercut.compress.plan.measure import KLJudge
+    from layercut.compress.io.models import load_tokenizer
+    from layercut.compress.workflow.planner.measure import KLJudge
 
     src = tiny_model_dir("llama")
     judge = KLJudge(src, load_tokenizer(src), [TextSource(source=PlanConfig(size="45%").calib)], 2, 32, 0,
@@ -226,7 +226,7 @@ def test_first_cut_is_verified_before_deeper_cuts(tiny_model_dir, tmp_path, monk
     """The first cut's best predicted candidate runs for real before any deeper cut (so the depth
     search works with the RTN -> GPTQ scale learnt from it): red if verification waits for the
     end of the depth search."""
-    from layercut.compress.plan import search
+    from layercut.compress.workflow.planner import search
 
     events = []
     real_cut, real_realize = search._cut, search._realize
@@ -246,8 +246,8 @@ def test_first_cut_is_verified_before_deeper_cuts(tiny_model_dir, tmp_path, monk
 def test_cuts_where_nothing_fits_are_not_run(tiny_model_dir, tmp_path, monkeypatch, layout):
     """A target only 3 removed blocks reach: cut 1 runs (it scores the blocks), cut 2 is known
     from the scores to have no fitting candidate and is not run: red if every cut is run."""
-    from layercut.compress.plan import search
-    from layercut.compress.plan.space import smallest_bytes
+    from layercut.compress.workflow.planner import search
+    from layercut.compress.workflow.planner.space import smallest_bytes
 
     events = []
     real_cut = search._cut

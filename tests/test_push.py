@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from layercut.compress.cli import main
+from layercut.compress.workflow.cli import main
 from layercut.export.export import export_checkpoint
 
 TOKEN = "hf_TestTokenDoNotLeak1234567890abcdef"

@@ -9,10 +9,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 from layercut.compress.kernels import ops
 from layercut.compress.kernels.ops import ACT_ORDER
-from layercut.compress.quant.qlinear import QuantLinear
+from layercut.compress.quant.format.qlinear import QuantLinear
 
 
 def gptq_output(bits: int, in_f: int, out_f: int, gs: int, act_order: bool = False, seed: int = 0):

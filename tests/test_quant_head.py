@@ -19,16 +19,16 @@ import torch
 
 from layercut.calibrate.capture import run_blocks
 from layercut.calibrate.data import CalibSet, calibration_batch
-from layercut.compress.cli import main
-from layercut.compress.errors import LayercutError
-from layercut.compress.quant.checkpoint import save_quantized
-from layercut.compress.quant.driver import SolverConfig, quantize_model
-from layercut.compress.quant.gptq import hessian_update
-from layercut.compress.quant.head import check_head, head_hessian, quantize_head
-from layercut.compress.quant.loader import load_quantized
-from layercut.compress.quant.pack import dequantize_gptq
-from layercut.compress.quant.qlinear import QuantLinear
-from layercut.compress.quant.result import QuantizeResult
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.quant.format.checkpoint import save_quantized
+from layercut.compress.quant.format.loader import load_quantized
+from layercut.compress.quant.format.pack import dequantize_gptq
+from layercut.compress.quant.format.qlinear import QuantLinear
+from layercut.compress.quant.format.result import QuantizeResult
+from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+from layercut.compress.quant.solve.gptq import hessian_update
+from layercut.compress.quant.solve.head import check_head, head_hessian, quantize_head
+from layercut.compress.workflow.cli import main
 from layercut.export.card_usage import folder_kind
 from tests.conftest import tiny_config
 from tests.test_cli_errors import check_one_error, tree
@@ -197,8 +197,8 @@ def test_streamed_eval_reads_the_quantized_head(headq, tiny_tokenizer):
     """``layercut eval`` streams GPTQ checkpoints block by block, the head dequantized a vocabulary
     slice at a time: same perplexity as the whole loaded model (red if the streamed path read the
     head dense, or at the base bits)."""
-    from layercut.compress.evaluate import evaluate
-    from layercut.compress.stream_eval import evaluate_streamed
+    from layercut.compress.eval.evaluate import evaluate
+    from layercut.compress.eval.stream_eval import evaluate_streamed
 
     entries, _ = headq
     path = entries["8g32"][0]

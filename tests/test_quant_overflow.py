@@ -34,9 +34,9 @@ def _loud_gemma3(path, tokenizer):
 
 
 def test_quantized_gemma3_with_large_activations_evaluates_finite(tmp_path, tiny_tokenizer):
-    from layercut.compress.eval_config import EvalConfig
-    from layercut.compress.stages.eval import run as evaluate
-    from layercut.compress.stages.quantize import quantize_checkpoint
+    from layercut.compress.eval.config import EvalConfig
+    from layercut.compress.workflow.stages.eval import run as evaluate
+    from layercut.compress.workflow.stages.quantize import quantize_checkpoint
 
     src = _loud_gemma3(tmp_path / "src", tiny_tokenizer)
     out = tmp_path / "q4"

@@ -17,22 +17,22 @@ import pytest
 import torch
 
 from layercut.calibrate.data import CalibSet, calibration_batch
-from layercut.compress.arch import target_linears
-from layercut.compress.cli import main
-from layercut.compress.errors import LayercutError
-from layercut.compress.quant.allocate import budget_bits, unit_cost
-from layercut.compress.quant.checkpoint import dynamic_overrides, resolve_dynamic, save_quantized
-from layercut.compress.quant.driver import SolverConfig, quantize_model
-from layercut.compress.quant.loader import load_quantized
-from layercut.compress.quant.pack import dequantize_gptq
-from layercut.compress.quant.qlinear import QuantLinear
-from layercut.compress.quant.sensitivity import (
+from layercut.compress.core.arch import target_linears
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.quant.format.checkpoint import dynamic_overrides, resolve_dynamic, save_quantized
+from layercut.compress.quant.format.loader import load_quantized
+from layercut.compress.quant.format.pack import dequantize_gptq
+from layercut.compress.quant.format.qlinear import QuantLinear
+from layercut.compress.quant.search.allocate import budget_bits, unit_cost
+from layercut.compress.quant.search.sensitivity import (
     allocation_units,
     expand_bits,
     measure_sensitivity,
     rank_correlation,
 )
-from layercut.compress.stages.quantize import quantize_checkpoint
+from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+from layercut.compress.workflow.cli import main
+from layercut.compress.workflow.stages.quantize import quantize_checkpoint
 from tests.conftest import tiny_config
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
@@ -108,7 +108,7 @@ def test_weights_in_place_equal_packed_dequant(quantized):
 
 
 def test_rtn_stage_matches_core(tiny_tokenizer):
-    from layercut.compress.quant.gptq import rtn_quantize
+    from layercut.compress.quant.solve.gptq import rtn_quantize
 
     model, ref = small_model("llama"), small_model("llama")
     quantize_model(model, None, SolverConfig(bits=3, group_size=GS, method="rtn"), progress=False)
@@ -255,7 +255,7 @@ def test_gptqmodel_loads_mixed(quantized):
 
 
 def test_load_model_routes_to_layercut_loader(quantized):
-    from layercut.compress.models import load_model
+    from layercut.compress.io.models import load_model
 
     (entries, _) = quantized
     model, tok = load_model(entries["mixed"][0])

@@ -8,11 +8,11 @@ import typing
 import pytest
 import yaml
 
+from layercut.compress.core.errors import LayercutError
 from layercut.compress.depth.config import PruneConfig as PruneStage
-from layercut.compress.errors import LayercutError
-from layercut.compress.eval_config import EvalConfig as EvalStage
-from layercut.compress.recipe import STAGE_TYPES, Recipe, check_stage_order, load_recipe
+from layercut.compress.eval.config import EvalConfig as EvalStage
 from layercut.compress.select.config import ScoreConfig as ScoreStage
+from layercut.compress.workflow.recipe import STAGE_TYPES, Recipe, check_stage_order, load_recipe
 from layercut.export.config import ExportConfig as ExportStage
 
 BASE = {"version": 1, "model": "bundled:smollm2-135m",
@@ -139,8 +139,8 @@ _CLI_ONLY = {"model", "output", "json", "trust_remote_code", "plot", "overwrite"
 def test_cli_flags_are_the_config_fields(name):
     """Each stage command's flags are generated from the same class the recipe validates against:
     the same names, choices and defaults (shown in the help), and the parsed flags build that class."""
-    from layercut.compress.cli import build_parser
-    from layercut.compress.stages.flags import _members, cli_default, config_from_args
+    from layercut.compress.workflow.cli import build_parser
+    from layercut.compress.workflow.stages.flags import _members, cli_default, config_from_args
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
@@ -169,9 +169,9 @@ def test_cli_flags_are_the_config_fields(name):
 def test_flags_round_trip_every_kind_of_field():
     """A command line of every field kind gives the config a recipe would: ints, floats, lists, Literals,
     bools (--x/--no-x), percentages."""
-    from layercut.compress.cli import build_parser
     from layercut.compress.quant.config import QuantizeConfig
-    from layercut.compress.stages.flags import config_from_args
+    from layercut.compress.workflow.cli import build_parser
+    from layercut.compress.workflow.stages.flags import config_from_args
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     args = sub["quantize"].parse_args(["m", "-o", "o", "--avg-bits", "3.5", "--candidates", "3,4", "--no-act-order",
@@ -221,9 +221,9 @@ def test_score_stage_methods():
 
 def test_quantize_stage_checks():
     from layercut.compress.quant.config import QuantizeConfig as QuantizeStage
-    from layercut.compress.quant.sensitivity import METHODS
+    from layercut.compress.quant.search.sensitivity import METHODS
 
-    # the proxies sensitivity.py measures, plus kl-swap (measured in quant/swap.py)
+    # the proxies sensitivity.py measures, plus kl-swap (measured in quant/search/swap.py)
     assert set(QuantizeStage.model_fields["sensitivity"].annotation.__args__) == set(METHODS) | {"kl-swap"}
 
     assert QuantizeStage(avg_bits=4.5, candidates="3,4,8").candidate_list() == [3, 4, 8]
@@ -268,7 +268,7 @@ def test_flag_generation_from_a_new_config():
     from pydantic import Field
 
     from layercut.compress.options import StageConfig
-    from layercut.compress.stages.flags import add_config_args, config_from_args
+    from layercut.compress.workflow.stages.flags import add_config_args, config_from_args
 
     class NewConfig(StageConfig):
         stage: Literal["new"] = "new"
@@ -294,8 +294,8 @@ def test_recipe_imports_no_stage_module():
     import subprocess
     import sys
 
-    code = ("import sys, layercut.compress.recipe; "
-            "print(sorted(m for m in sys.modules if m.startswith('layercut.compress.stages.')))")
+    code = ("import sys, layercut.compress.workflow.recipe; "
+            "print(sorted(m for m in sys.modules if m.startswith('layercut.compress.workflow.stages.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -303,7 +303,7 @@ def test_recipe_imports_no_stage_module():
 def test_quantize_help_shows_the_everyday_options_first():
     """`quantize --help`: at most 15 options before the advanced group, every option still listed."""
     from layercut.compress.quant.config import QuantizeConfig
-    from layercut.compress.stages.flags import add_config_args
+    from layercut.compress.workflow.stages.flags import add_config_args
 
     parser = argparse.ArgumentParser()
     parser.add_argument("-o", "--output")
@@ -325,7 +325,7 @@ def test_quantize_help_shows_the_everyday_options_first():
 
 
 def test_everyday_must_name_options():
-    from layercut.compress.stages.flags import add_config_args
+    from layercut.compress.workflow.stages.flags import add_config_args
 
     class Broken(ExportStage):
         everyday: typing.ClassVar[tuple[str, ...]] = ("no_such_option",)

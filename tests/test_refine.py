@@ -1,4 +1,4 @@
-"""The allocator's refinement round (compress/quant/refine.py): neighbours, losses at the operating point, re-solve.
+"""The allocator's refinement round (compress/quant/search/refine.py): neighbours, losses at the operating point, re-solve.
 
 Tiny llama (hidden 64, intermediate 128), group units, candidates that fit every unit.
 """
@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from layercut.compress.quant.allocate import allocate_bits, budget_bits
 from layercut.compress.quant.config import QuantizeConfig
-from layercut.compress.quant.driver import SolverConfig, quantize_model
-from layercut.compress.quant.loader import load_quantized
-from layercut.compress.quant.refine import Refiner, neighbours
-from layercut.compress.quant.sensitivity import allocation_units, expand_bits, measure_sensitivity
-from layercut.compress.stages.quantize import run
+from layercut.compress.quant.format.loader import load_quantized
+from layercut.compress.quant.search.allocate import allocate_bits, budget_bits
+from layercut.compress.quant.search.refine import Refiner, neighbours
+from layercut.compress.quant.search.sensitivity import allocation_units, expand_bits, measure_sensitivity
+from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+from layercut.compress.workflow.stages.quantize import run
 from tests.test_mixed_precision import _unit, small_dir  # noqa: F401  (fixture)
 from tests.test_quantize import _calib, small_model
 
@@ -140,7 +140,7 @@ def test_refine_refuses_what_it_cannot_refine(small_dir, tmp_path, capsys, argv)
     """The round re-solves GPTQ's loss per unit: asked for with another measure, RTN or uniform bits
     it is one clear error before any work, and nothing is written. Red if it ran on a table of
     another scale, or was silently skipped."""
-    from layercut.compress.cli import main
+    from layercut.compress.workflow.cli import main
 
     out = tmp_path / "bad"
     code = main(["quantize", str(small_dir), "-o", str(out), *argv])

@@ -1,4 +1,4 @@
-"""Least-squares scales for GPTQ's final codes (compress/quant/scale_fit.py): the per-row optimum,
+"""Least-squares scales for GPTQ's final codes (compress/quant/solve/scale_fit.py): the per-row optimum,
 never worse than the scales GPTQ fixed, the same codes and zeros, the loss it reports, the
 degenerate rows it must leave alone, and a refit checkpoint that loads."""
 
@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
-from layercut.compress.errors import LayercutError
-from layercut.compress.quant.driver import SolverConfig, quantize_model
-from layercut.compress.quant.gptq import gptq_quantize, layer_loss
-from layercut.compress.quant.scale_fit import refit_scales
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+from layercut.compress.quant.solve.gptq import gptq_quantize, layer_loss
+from layercut.compress.quant.solve.scale_fit import refit_scales
 from tests.test_scale_search import GS, _outlier_layer
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
@@ -100,8 +100,8 @@ def test_refit_checkpoint_loads_and_lowers_every_layers_loss(tmp_path, tiny_toke
     """A tiny llama quantized with refit: every linear's loss is at most the plain run's (same
     calibration, so the first block's Hessians are identical), the fp16 scales decode to the
     in-memory weights, and the checkpoint loads in layercut's loader."""
-    from layercut.compress.quant.checkpoint import save_quantized
-    from layercut.compress.quant.loader import load_quantized
+    from layercut.compress.quant.format.checkpoint import save_quantized
+    from layercut.compress.quant.format.loader import load_quantized
     from tests.test_quantize import ATOL, _calib, _probe, small_model
 
     runs = {}

@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from layercut.compress.errors import LayercutError
-from layercut.compress.quant.driver import SolverConfig, quantize_model
-from layercut.compress.quant.gptq import gptq_quantize, layer_loss, shrink_grid, shrink_pairs
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+from layercut.compress.quant.solve.gptq import gptq_quantize, layer_loss, shrink_grid, shrink_pairs
 from tests.test_gptq import _layer
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
@@ -156,8 +156,8 @@ def test_searched_checkpoint_loads_in_layercut_and_stock_transformers(tmp_path, 
     chosen zero/scale pair were stored out of step."""
     from transformers import AutoModelForCausalLM
 
-    from layercut.compress.quant.checkpoint import save_quantized
-    from layercut.compress.quant.loader import load_quantized
+    from layercut.compress.quant.format.checkpoint import save_quantized
+    from layercut.compress.quant.format.loader import load_quantized
     from tests.test_quantize import ATOL, ATOL_BF16, _calib, _probe, small_model
 
     probe = _probe(tiny_tokenizer)
@@ -192,7 +192,7 @@ def test_searched_checkpoint_loads_in_layercut_and_stock_transformers(tmp_path, 
 ])
 def test_cli_bad_scale_search_options(tmp_path, capsys, args, words):
     """One line, exit 2, nothing written (the model is never read: the options fail first)."""
-    from layercut.compress.cli import main
+    from layercut.compress.workflow.cli import main
 
     code = main(["quantize", "bundled:smollm2-135m", "-o", str(tmp_path / "out"), "--bits", "4", *args])
     err = capsys.readouterr().err.strip().splitlines()
@@ -201,7 +201,7 @@ def test_cli_bad_scale_search_options(tmp_path, capsys, args, words):
 
 
 def test_recipe_key_reaches_the_solver(tmp_path):
-    from layercut.compress.recipe import load_recipe
+    from layercut.compress.workflow.recipe import load_recipe
 
     path = tmp_path / "r.yaml"
     path.write_text("version: 1\nmodel: bundled:smollm2-135m\nstages:\n  - quantize:\n      bits: 4\n"

@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 from layercut.calibrate.data import CalibSet
-from layercut.compress.arch import arch_for, get_submodule
-from layercut.compress.cli import main
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.arch import arch_for, get_submodule
+from layercut.compress.core.errors import LayercutError
 from layercut.compress.select import (
     LayerScores,
     compute_scores,
@@ -36,6 +35,7 @@ from layercut.compress.select.cores import (
     split_fused_qkv,
 )
 from layercut.compress.select.swap_kl import token_kl
+from layercut.compress.workflow.cli import main
 from tests.conftest import FAMILIES, build_tiny_model
 
 # -- cores on hand-made tensors -------------------------------------------------------------

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from layercut.calibrate.data import calibration_batch
-from layercut.compress.arch import arch_for
-from layercut.compress.quant.driver import SolverConfig, linear_weight, quantize_model, set_weight
+from layercut.compress.core.arch import arch_for
+from layercut.compress.quant.solve.driver import SolverConfig, linear_weight, quantize_model, set_weight
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import yaml
 
 from layercut.calibrate.data import calibration_batch, load_texts
 from layercut.calibrate.sources import TextSource
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}")
@@ -112,7 +112,7 @@ def test_mixing_draws_each_source_by_weight(tiny_tokenizer, tmp_path):
 
 def test_stage_configs_take_a_string_or_a_weighted_list(chat_folder):
     from layercut.compress.quant.config import QuantizeConfig
-    from layercut.compress.recipe import Recipe
+    from layercut.compress.workflow.recipe import Recipe
     from layercut.heal.config import HealConfig
 
     entry = {"source": f"hf:{chat_folder}@train[:10]", "messages_field": "chat", "chat_template": True,
@@ -140,9 +140,9 @@ def test_stage_configs_take_a_string_or_a_weighted_list(chat_folder):
 def test_cli_flags_describe_the_string_source():
     import argparse
 
-    from layercut.compress.cli import build_parser
     from layercut.compress.depth.config import PruneConfig
-    from layercut.compress.stages.flags import config_from_args
+    from layercut.compress.workflow.cli import build_parser
+    from layercut.compress.workflow.stages.flags import config_from_args
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["prune"]
     args = sub.parse_args(["m", "-o", "o", "--layers", "1", "--calib", "hf:/d@train[:10]", "--messages-field",
@@ -224,7 +224,7 @@ def test_messages_that_are_not_conversations(chat_folder, chat_tokenizer):
     (5, "calib[1]: expected a source string or a mapping with a source key (got 5)"),
 ])
 def test_bad_source_entries_in_a_recipe(entry, message):
-    from layercut.compress.recipe import Recipe
+    from layercut.compress.workflow.recipe import Recipe
 
     with pytest.raises(LayercutError) as info:
         Recipe.from_dict({"version": 1, "model": "m", "stages": [
@@ -245,7 +245,7 @@ def test_bundled_instruct_template_renders_conversations(hf_cache):
     messages dataset goes through it: role markers in the text, <|im_start|> as one token in the windows."""
     from gguf import GGUFReader
 
-    from layercut.compress.models import bundled_gguf_path, load_tokenizer
+    from layercut.compress.io.models import bundled_gguf_path, load_tokenizer
 
     tok = load_tokenizer("bundled:smollm2-135m")
     field = GGUFReader(str(bundled_gguf_path("smollm2-135m"))).fields["tokenizer.chat_template"]
@@ -266,8 +266,8 @@ def test_bundled_instruct_template_renders_conversations(hf_cache):
 # ---------------------------------------------------------------------------- the options reach every stage
 def test_score_reads_an_hf_field(tiny_model_dir, chat_folder):
     from layercut.compress.select.config import ScoreConfig
-    from layercut.compress.stages.base import RunEnv
-    from layercut.compress.stages.score import run
+    from layercut.compress.workflow.stages.base import RunEnv
+    from layercut.compress.workflow.stages.score import run
 
     cfg = ScoreConfig(method="block-influence", calib=f"hf:{chat_folder}@train[:12]", text_field="body", samples=2,
                       seq_len=8)
@@ -280,8 +280,8 @@ def test_chat_template_reaches_every_stage(stage, tiny_model_dir, chat_folder, t
     """Each stage hands the text options to the data loader: the tiny tokenizer has no template, so asking
     for one fails there, before any work."""
     import layercut
-    from layercut.compress.stages import heal, prune, quantize, score
-    from layercut.compress.stages.base import RunEnv
+    from layercut.compress.workflow.stages import heal, prune, quantize, score
+    from layercut.compress.workflow.stages.base import RunEnv
 
     model_dir = tiny_model_dir("llama")
     opts = {"messages_field": "chat", "chat_template": True}
@@ -305,7 +305,7 @@ def test_chat_template_reaches_every_stage(stage, tiny_model_dir, chat_folder, t
 
 
 def test_cli_bad_field_is_one_line_and_nonzero(tiny_model_dir, chat_folder, capsys):
-    from layercut.compress.cli import main
+    from layercut.compress.workflow.cli import main
 
     code = main(["-q", "score", str(tiny_model_dir("llama")), "--method", "block-influence", "--calib",
                  f"hf:{chat_folder}@train[:4]", "--text-field", "title"])

@@ -18,10 +18,10 @@ import torch
 from conftest import build_tiny_model
 
 from layercut.calibrate.capture import run_blocks
-from layercut.compress.errors import LayercutError
-from layercut.compress.evaluate import evaluate_path
-from layercut.compress.lazy import LazyModel, TensorIndex
-from layercut.compress.stream_eval import evaluate_streamed
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.eval.evaluate import evaluate_path
+from layercut.compress.eval.stream_eval import evaluate_streamed
+from layercut.compress.io.lazy import LazyModel, TensorIndex
 
 
 def _save(model, tokenizer, path, dtype=None):
@@ -86,7 +86,7 @@ def test_driver_releases_the_block_when_a_callback_raises(tiny_model_dir, calib)
 
 
 def test_lazy_driver_outputs_equal_in_memory(tiny_model_dir, calib):
-    from layercut.compress.models import load_model
+    from layercut.compress.io.models import load_model
 
     model, _ = load_model(tiny_model_dir("gemma3_text"), with_tokenizer=False)
     expected = run_blocks(model, calib, [], batch_size=3, progress=False)
@@ -133,7 +133,7 @@ def test_streamed_block_drop_equals_in_memory_drop(family, tiny_model_dir, tmp_p
 
     from layercut.compress.depth.blocks import drop_blocks
     from layercut.compress.depth.stream_drop import drop_blocks_streamed
-    from layercut.compress.models import load_model
+    from layercut.compress.io.models import load_model
 
     src = tiny_model_dir(family)
     summary = drop_blocks_streamed(src, tmp_path / "streamed", [1, 3], max_shard_size=40_000)
@@ -167,7 +167,7 @@ def test_streamed_replace_equals_in_memory(family, tiny_model_dir, calib, tmp_pa
 
     from layercut.compress.depth.replace import linear_replace
     from layercut.compress.depth.stream_drop import replace_streamed
-    from layercut.compress.models import load_model
+    from layercut.compress.io.models import load_model
 
     src = tiny_model_dir(family)
     _, fits = replace_streamed(src, tmp_path / "streamed", [2, 3], calib, batch_size=3, progress=False)
@@ -193,7 +193,7 @@ def test_prune_stage_streams_and_matches_whole_model(replace, tiny_model_dir, tm
     from safetensors.torch import load_file
 
     from layercut.compress.depth.config import PruneConfig
-    from layercut.compress.stages.prune import run
+    from layercut.compress.workflow.stages.prune import run
 
     src = tiny_model_dir("qwen2")
     kw = dict(drop=2, select="block-influence", replace=replace, samples=6, seq_len=32, batch_size=3)
@@ -214,7 +214,7 @@ def test_streamed_prune_keeps_a_bf16_checkpoint_bf16(tiny_tokenizer, tmp_path):
     from safetensors import safe_open
 
     from layercut.compress.depth.config import PruneConfig
-    from layercut.compress.stages.prune import run
+    from layercut.compress.workflow.stages.prune import run
 
     src = _save(build_tiny_model("llama"), tiny_tokenizer, tmp_path / "bf16", dtype=torch.bfloat16)
     run(PruneConfig(layers=[2]), str(src), tmp_path / "out")
@@ -226,7 +226,7 @@ def test_streamed_prune_keeps_a_bf16_checkpoint_bf16(tiny_tokenizer, tmp_path):
 
 def test_score_stage_streams_and_matches_whole_model(tiny_model_dir):
     from layercut.compress.select.config import ScoreConfig
-    from layercut.compress.stages.score import run
+    from layercut.compress.workflow.stages.score import run
 
     kw = dict(method="angular,block-influence,attn-cosine", drop=2, samples=6, seq_len=32)
     streamed = run(ScoreConfig(**kw), str(tiny_model_dir("llama")), env=None)
@@ -240,8 +240,8 @@ def test_quantize_stage_streams_and_matches_whole_model(family, method, tiny_mod
     from safetensors.torch import load_file
 
     from layercut.compress.quant.config import QuantizeConfig
-    from layercut.compress.quant.loader import load_quantized
-    from layercut.compress.stages.quantize import run
+    from layercut.compress.quant.format.loader import load_quantized
+    from layercut.compress.workflow.stages.quantize import run
 
     src = tiny_model_dir(family)
     kw = dict(bits=4, group_size=32, samples=6, seq_len=32, batch_size=3, method=method)

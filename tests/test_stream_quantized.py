@@ -3,9 +3,9 @@
 Run: ``HF_HUB_OFFLINE=1 python -m pytest -q tests/test_stream_quantized.py``.
 
 Every checkpoint here is a tiny model built from config and quantized for real by layercut's
-GPTQ (:func:`layercut.compress.quant.driver.quantize_model` + ``save_quantized``): uniform 4-bit,
+GPTQ (:func:`layercut.compress.quant.solve.driver.quantize_model` + ``save_quantized``): uniform 4-bit,
 mixed (bits, group size) pairs written as ``dynamic`` overrides, and act-order. The streamed
-figures must be the whole-model loader's (:func:`layercut.compress.quant.loader.load_quantized`),
+figures must be the whole-model loader's (:func:`layercut.compress.quant.format.loader.load_quantized`),
 to the tolerance of tests/test_stream.py (relative 1e-5 on perplexity, 1e-6 absolute on KL).
 """
 
@@ -20,14 +20,14 @@ import torch
 from conftest import build_tiny_model
 
 from layercut.calibrate.capture import run_blocks
-from layercut.compress.arch import target_linears
-from layercut.compress.errors import LayercutError
-from layercut.compress.evaluate import evaluate_path
-from layercut.compress.lazy import LazyModel
-from layercut.compress.quant.checkpoint import save_quantized
-from layercut.compress.quant.driver import SolverConfig, quantize_model
-from layercut.compress.quant.qlinear import QuantLinear
-from layercut.compress.stream_eval import evaluate_streamed
+from layercut.compress.core.arch import target_linears
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.eval.evaluate import evaluate_path
+from layercut.compress.eval.stream_eval import evaluate_streamed
+from layercut.compress.io.lazy import LazyModel
+from layercut.compress.quant.format.checkpoint import save_quantized
+from layercut.compress.quant.format.qlinear import QuantLinear
+from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
 
 KW = dict(text="bundled:brown-calib", ctx=48, max_tokens=300, progress=False)
 
@@ -97,7 +97,7 @@ def test_streamed_quantized_blocks_hold_their_own_bits(quantized):
     entry, and only that block's: red on a leaked block (tensors of block i still resident
     while block i+1 runs) or on a block read with the base configuration instead of its own."""
     from layercut.calibrate.data import calibration_batch
-    from layercut.compress.models import load_tokenizer
+    from layercut.compress.io.models import load_tokenizer
 
     q, _ = quantized("llama", "mixed")
     lazy = LazyModel(q, allow_quantized=True)
@@ -140,7 +140,7 @@ def test_streamed_quantized_refuses_a_config_that_does_not_match(quantized, tmp_
 
 def test_quantized_checkpoint_streams_only_when_asked(quantized):
     """Steps that would rewrite a GPTQ checkpoint (prune, a dense copy) must not stream it unnoticed."""
-    from layercut.compress.lazy import stream_blocker
+    from layercut.compress.io.lazy import stream_blocker
 
     q, _ = quantized("llama", "4bit")
     with pytest.raises(LayercutError, match="quantized checkpoint cannot be streamed"):
@@ -151,9 +151,9 @@ def test_quantized_checkpoint_streams_only_when_asked(quantized):
 def test_eval_stage_streams_a_quantized_checkpoint(quantized, monkeypatch):
     """`layercut eval` of a GPTQ checkpoint streams (the whole-model loader is never called) and
     reports the figures of --whole-model, in the same report format."""
-    from layercut.compress.eval_config import EvalConfig
-    from layercut.compress.quant import loader
-    from layercut.compress.stages.eval import run
+    from layercut.compress.eval.config import EvalConfig
+    from layercut.compress.quant.format import loader
+    from layercut.compress.workflow.stages.eval import run
 
     q, dense = quantized("llama", "mixed")
     opts = dict(text="bundled:brown-calib", ctx=48, max_tokens=300, reference=str(dense), dtype="fp32")
@@ -172,7 +172,7 @@ def test_eval_stage_streams_a_quantized_checkpoint(quantized, monkeypatch):
 
 def test_score_stage_streams_a_quantized_checkpoint(quantized):
     from layercut.compress.select.config import ScoreConfig
-    from layercut.compress.stages.score import run
+    from layercut.compress.workflow.stages.score import run
 
     q, _ = quantized("llama", "mixed")
     kw = dict(method="angular,block-influence,attn-cosine", drop=2, samples=6, seq_len=32, dtype="fp32")
@@ -211,8 +211,8 @@ def test_streamed_dequantize_export_equals_whole_model(family, kind, quantized, 
 def test_dequantize_rows_equals_the_rows_of_the_whole_weight(bits):
     """Red if a vocabulary slice of a quantized head read the zero points of other outputs
     (3-bit zero points straddle int32 words; the last slice is not a multiple of 32)."""
-    from layercut.compress.quant.gptq import rtn_quantize
-    from layercut.compress.quant.loader import dequantize_rows
+    from layercut.compress.quant.format.loader import dequantize_rows
+    from layercut.compress.quant.solve.gptq import rtn_quantize
 
     torch.manual_seed(bits)
     linear = torch.nn.Linear(64, 200, bias=False)
@@ -228,11 +228,11 @@ def test_dequantize_rows_equals_the_rows_of_the_whole_weight(bits):
 def test_a_quantized_head_streams_like_the_whole_model(tiny_tokenizer, tmp_path, monkeypatch):
     """An untied ``lm_head`` stored as GPTQ tensors (``lm_head.qweight`` ...) takes the same
     per-module path: read for the head's turn, dequantized a vocabulary slice at a time
-    (:data:`layercut.compress.stream_eval.VOCAB_SLICE` lowered so the head spans several slices)."""
+    (:data:`layercut.compress.eval.stream_eval.VOCAB_SLICE` lowered so the head spans several slices)."""
     from safetensors.torch import load_file, save_file
 
-    from layercut.compress import stream_eval
-    from layercut.compress.quant.gptq import rtn_quantize
+    from layercut.compress.eval import stream_eval
+    from layercut.compress.quant.solve.gptq import rtn_quantize
 
     model = build_tiny_model("llama")
     model.config.tie_word_embeddings = False

@@ -52,9 +52,9 @@ import pytest
 import torch
 from gptq_codes import exact_sum_ok, random_codes, small_int_x
 
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 from layercut.compress.kernels import ops
-from layercut.compress.quant.pack import pack_gptq
+from layercut.compress.quant.format.pack import pack_gptq
 
 HAS_CUDA = torch.cuda.is_available()
 BITS = (2, 3, 4, 8)
@@ -287,8 +287,8 @@ def test_forcing_triton_without_triton_is_a_clear_error():
     code = (
         "import sys, os\nsys.modules['triton'] = None  # as if not installed\n"
         "os.environ.update(LAYERCUT_KERNELS='triton', TRITON_INTERPRET='1')\n"
-        "import torch\nfrom layercut.compress.kernels import ops\nfrom layercut.compress.errors import LayercutError\n"
-        "from layercut.compress.quant.pack import pack_gptq\n"
+        "import torch\nfrom layercut.compress.kernels import ops\nfrom layercut.compress.core.errors import LayercutError\n"
+        "from layercut.compress.quant.format.pack import pack_gptq\n"
         "p = pack_gptq(torch.zeros(8, 32, dtype=torch.int64), torch.ones(1, 8, dtype=torch.int64),"
         " torch.ones(1, 8), torch.zeros(32, dtype=torch.int32), 4)\n"
         "a = [p[k] for k in ('qweight', 'qzeros', 'scales', 'g_idx')]\n"
@@ -375,11 +375,11 @@ def test_quantized_tiny_model_through_triton(tiny_tokenizer, tmp_path, monkeypat
     from transformers import AutoModelForCausalLM
 
     from layercut.calibrate.data import calibration_batch
-    from layercut.compress.arch import target_linears
-    from layercut.compress.quant.checkpoint import save_quantized
-    from layercut.compress.quant.driver import SolverConfig, quantize_model
-    from layercut.compress.quant.loader import load_quantized
-    from layercut.compress.quant.qlinear import QuantLinear
+    from layercut.compress.core.arch import target_linears
+    from layercut.compress.quant.format.checkpoint import save_quantized
+    from layercut.compress.quant.format.loader import load_quantized
+    from layercut.compress.quant.format.qlinear import QuantLinear
+    from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
     from tests.conftest import tiny_config
 
     cfg = tiny_config("llama")
@@ -406,10 +406,10 @@ def test_smollm2_rtn_g64_through_triton(tmp_path, monkeypatch):
     refuses g128 there, since 128 does not divide 576, so the partial last group is covered
     by the op-level tests above), saved and loaded as a GPTQ checkpoint: 4 tokens through
     Triton in the interpreter give the reference path's logits."""
-    from layercut.compress.models import load_model
-    from layercut.compress.quant.checkpoint import save_quantized
-    from layercut.compress.quant.driver import SolverConfig, quantize_model
-    from layercut.compress.quant.loader import load_quantized
+    from layercut.compress.io.models import load_model
+    from layercut.compress.quant.format.checkpoint import save_quantized
+    from layercut.compress.quant.format.loader import load_quantized
+    from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
 
     model, tok = load_model("bundled:smollm2-135m")
     res = quantize_model(model, None, SolverConfig(bits=4, group_size=64, method="rtn"), progress=False)

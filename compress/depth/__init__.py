@@ -3,7 +3,7 @@
 Usage::
 
     from layercut.compress.depth import drop_blocks, drop_sublayers, linear_replace, fuse_blocks
-    from layercut.compress.stages.prune import prune    # the stage, with keywords
+    from layercut.compress.workflow.stages.prune import prune    # the stage, with keywords
     drop_blocks(model, [12, 13])                                  # in place, stock config
     pruned = drop_sublayers(model, [4, 7], "attention")           # needs trust_remote_code to reload
     linear_replace(model, [12, 13, 25], calib, method="lstsq")    # ReplaceMe, one map per span

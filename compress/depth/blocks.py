@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from layercut.compress.arch import ArchSpec, arch_for
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.arch import ArchSpec, arch_for
+from layercut.compress.core.errors import LayercutError
 
 COUNT_KEYS = ("max_window_layers",)  # per-layer settings stored as a count of leading layers
 

@@ -10,7 +10,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from layercut.calibrate import DEFAULT_CALIB_TEXT
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 from layercut.compress.options import (
     STREAM_DTYPE_HELP,
     TEXT_SPEC_HELP,

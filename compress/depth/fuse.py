@@ -35,10 +35,10 @@ from torch.func import functional_call
 
 from layercut.calibrate.capture import BlockRun, run_blocks
 from layercut.calibrate.data import CalibSet
-from layercut.compress.arch import ArchSpec, arch_for
+from layercut.compress.core.arch import ArchSpec, arch_for
+from layercut.compress.core.errors import LayercutError
 from layercut.compress.depth.blocks import check_block_drop_supported, drop_blocks, validate_layers
 from layercut.compress.depth.cores import laco_merge, runs_of
-from layercut.compress.errors import LayercutError
 
 
 @dataclass

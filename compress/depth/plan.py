@@ -2,7 +2,7 @@
 
 Usage::
 
-    from layercut.compress.stages.prune import choose        # builds it from config + model
+    from layercut.compress.workflow.stages.prune import choose        # builds it from config + model
     plan = choose(model, tokenizer, PruneConfig(layers=[3, 4]))
     plan.layers, plan.params_after, plan.describe()
 
@@ -66,7 +66,7 @@ class PrunePlan:
 def removed_params(model: nn.Module, what: str, layers: list[int]) -> int:
     """Parameters the removal takes away: whole blocks, or their attention / MLP sublayers
     (a lazily loaded model's meta tensors count the same; as :func:`count_params` counts them)."""
-    from layercut.compress.arch import arch_for, count_params
+    from layercut.compress.core.arch import arch_for, count_params
 
     spec = arch_for(model)
     blocks = spec.layers_of(model)

@@ -2,10 +2,10 @@
 
 Usage::
 
-    from layercut.compress.stages.prune import prune     # the stage, with keywords
+    from layercut.compress.workflow.stages.prune import prune     # the stage, with keywords
     report = prune("bundled:smollm2-135m", "out/cut8", drop=8, select="block-influence", replace="lstsq")
 
-The stage itself (config, validation, report) is :mod:`layercut.compress.stages.prune`; this
+The stage itself (config, validation, report) is :mod:`layercut.compress.workflow.stages.prune`; this
 module holds the checks and the transform core it calls, and imports no stage.
 
     layercut prune bundled:smollm2-135m -o out/cut8 --drop 8 --select block-influence --replace lstsq
@@ -13,7 +13,7 @@ module holds the checks and the transform core it calls, and imports no stage.
     layercut prune MODEL -o OUT --drop 8 --what attention --select gate-norm
 
 Every argument is validated before any work, and the output directory appears only when
-complete (``layercut.export.checkpoint.atomic_dir``). Besides the weights it holds
+complete (``layercut.compress.core.save.atomic_dir``). Besides the weights it holds
 ``layercut_prune.json``: which layers (old numbering), how they were chosen (with the
 scores), the transform and its per-span fit statistics.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from torch import nn
 
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 
 PRUNE_VERSION = 1
 WHATS = ("block", "attention", "mlp")
@@ -89,7 +89,7 @@ def check_request(
 
 def check_against_model(model: nn.Module, what: str, count: int, layers: list[int] | None, replace: str) -> int:
     """Checks that need the model; returns its layer count."""
-    from layercut.compress.arch import arch_for
+    from layercut.compress.core.arch import arch_for
     from layercut.compress.depth.blocks import check_block_drop_supported, validate_layers
     from layercut.compress.depth.replace import check_replace_supported
     from layercut.compress.depth.sublayers import sublayer_family

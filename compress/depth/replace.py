@@ -52,7 +52,8 @@ from torch import nn
 from layercut.calibrate.capture import BlockRun, run_blocks
 from layercut.calibrate.data import CalibSet
 from layercut.calibrate.stats import GramStats
-from layercut.compress.arch import ArchSpec, arch_for, get_submodule
+from layercut.compress.core.arch import ArchSpec, arch_for, get_submodule
+from layercut.compress.core.errors import LayercutError
 from layercut.compress.depth.blocks import check_block_drop_supported, drop_blocks, validate_layers
 from layercut.compress.depth.cores import (
     cosine_map,
@@ -62,7 +63,6 @@ from layercut.compress.depth.cores import (
     merge_map_into_down,
     runs_of,
 )
-from layercut.compress.errors import LayercutError
 
 METHODS = ("lstsq", "cosine")
 STREAMS = ("original", "sequential")

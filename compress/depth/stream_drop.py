@@ -7,10 +7,10 @@ Usage::
 
 The same result as :func:`layercut.compress.depth.blocks.drop_blocks` followed by ``save_pretrained``
 (the tensors of the kept blocks, renumbered, and the trimmed config), but the source is
-only read tensor by tensor through :class:`layercut.compress.lazy.TensorIndex` and written through
-:class:`layercut.export.shards.ShardWriter`: peak memory is one output shard, whatever the model's
+only read tensor by tensor through :class:`layercut.compress.io.lazy.TensorIndex` and written through
+:class:`layercut.compress.core.shards.ShardWriter`: peak memory is one output shard, whatever the model's
 size. Tensors keep their stored dtype. The output appears under ``out`` only when
-complete (:func:`layercut.export.checkpoint.atomic_dir`).
+complete (:func:`layercut.compress.core.save.atomic_dir`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.core.shards import INDEX
 from layercut.compress.depth.blocks import check_block_drop_supported, trim_config, validate_layers
-from layercut.compress.errors import LayercutError
-from layercut.compress.lazy import LazyModel
-from layercut.export.shards import INDEX
+from layercut.compress.io.lazy import LazyModel
 
 WEIGHT_FILES = (".safetensors",)
 SKIP_FILES = {"config.json", INDEX}
@@ -41,7 +41,7 @@ def drop_blocks_streamed(
     trust_remote_code: bool = False,
 ) -> dict:
     """Write ``source`` without decoder blocks ``layers`` (old indices) to ``output``; return a summary."""
-    from layercut.export.checkpoint import atomic_dir
+    from layercut.compress.core.save import atomic_dir
 
     lazy = LazyModel(source, trust_remote_code=trust_remote_code)
     with atomic_dir(output, overwrite) as tmp:
@@ -60,7 +60,7 @@ def write_without_blocks(
     ``edits`` maps parameter names (old numbering) to a function of the stored tensor that
     gives the tensor to write instead (e.g. a linear map folded into a kept block).
     """
-    from layercut.export.shards import ShardWriter
+    from layercut.compress.core.shards import ShardWriter
 
     num = lazy.num_blocks
     drop = set(validate_layers(layers, num)) if layers else set()  # none: a plain streamed copy (export)
@@ -105,7 +105,7 @@ def write_without_blocks(
 
 def map_edits(lazy: LazyModel, fits: Sequence) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Fold each fitted span map into its anchor block's down projection, as tensor edits."""
-    from layercut.compress.arch import get_submodule
+    from layercut.compress.core.arch import get_submodule
     from layercut.compress.depth.cores import merge_map_into_bias, merge_map_into_down
 
     spec = lazy.spec
@@ -134,8 +134,8 @@ def replace_streamed(
     The maps are fitted over the capture driver on a lazily loaded model, then folded into
     each anchor block's down projection while the checkpoint is copied tensor by tensor.
     """
+    from layercut.compress.core.save import atomic_dir
     from layercut.compress.depth.replace import fit_linear_maps
-    from layercut.export.checkpoint import atomic_dir
 
     lazy = LazyModel(source, trust_remote_code=trust_remote_code)
     fits = fit_linear_maps(lazy.model, layers, calib, **fit_kwargs)

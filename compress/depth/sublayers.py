@@ -24,9 +24,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from layercut.compress.core.errors import LayercutError
 from layercut.compress.depth.blocks import validate_layers
 from layercut.compress.depth.templates import modeling_layercut as template
-from layercut.compress.errors import LayercutError
 
 SUBLAYER_FAMILIES = tuple(template.FAMILIES)
 _KEYS = {"attention": "layercut_drop_attention", "mlp": "layercut_drop_mlp"}

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 
 CSRC = Path(__file__).parent / "csrc"
 LIB_NAME = "liblayercut_kernels.so"

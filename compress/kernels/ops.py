@@ -46,9 +46,9 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from layercut.compress.errors import LayercutError
-from layercut.compress.quant.pack import dequantize_gptq, packed_rows
-from layercut.compress.quant.result import SUPPORTED_BITS
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.quant.format.pack import dequantize_gptq, packed_rows
+from layercut.compress.quant.format.result import SUPPORTED_BITS
 
 ACT_ORDER = 0  # group_size value meaning "read g_idx per input"
 MODES = ("reference", "triton", "cuda")  # values of $LAYERCUT_KERNELS (besides unset / "auto")

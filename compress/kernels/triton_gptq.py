@@ -16,7 +16,7 @@ because ``@triton.jit`` decides at decoration time whether a kernel is compiled 
 on then; the kernels here therefore call only builtins and their own helpers, so both module
 copies work in one process whatever the mode was at ``import triton``.
 
-Format (see compress/quant/pack.py): qweight [ceil(in*bits/32), out] int32 holds each output
+Format (see compress/quant/format/pack.py): qweight [ceil(in*bits/32), out] int32 holds each output
 column's codes as a little-endian bit stream (code k at bit k*bits; 3-bit codes 10 and 21 of
 every 32 straddle two words); qzeros [groups, ceil(out*bits/32)] int32 the zero points the same
 way along out, stored as zero-1 (GPTQModel's packed-word offset for 2/4/8 bits, per field mod 8
@@ -66,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 
 _KNOBS = getattr(triton, "knobs", None)  # triton >= 3.4; older ones read the environment directly
 INTERPRET = (  # fixed when this module was loaded

@@ -6,7 +6,7 @@ Usage::
 
     from layercut.compress.quant.config import QuantizeConfig
     config = QuantizeConfig(avg_bits=3.5, candidates="3g64,4ch,8")
-    config.core()                       # the solver's SolverConfig (compress/quant/driver.py)
+    config.core()                       # the solver's SolverConfig (compress/quant/solve/driver.py)
 
 Importing it does not import torch (``layercut --help`` and reading a recipe stay fast).
 """
@@ -32,7 +32,7 @@ from layercut.compress.options import (
     messages_field_option,
     text_field_option,
 )
-from layercut.compress.quant.result import SUPPORTED_BITS
+from layercut.compress.quant.format.result import SUPPORTED_BITS
 
 
 def parse_candidates(value: str | list, group_size: int) -> list[tuple[int, int]]:
@@ -41,7 +41,7 @@ def parse_candidates(value: str | list, group_size: int) -> list[tuple[int, int]
     >>> parse_candidates("3g64, 4ch,8", 64)
     [(3, 64), (4, -1), (8, 64)]
     """
-    from layercut.compress.quant.allocate import parse_candidate
+    from layercut.compress.quant.search.allocate import parse_candidate
 
     items = value if isinstance(value, list) else [x for x in str(value).split(",") if x.strip()]
     return list(dict.fromkeys(parse_candidate(x, group_size) for x in items))
@@ -118,7 +118,7 @@ class QuantizeConfig(StageConfig, TextOptions):
     sequential: Literal["block", "sublayer", "linear"] = Field(
         "block", description="how often each block's inputs are re-collected: once, per sublayer (2), per "
                              "linear group (4)")
-    # --- scale search (compress/quant/gptq.py) ---
+    # --- scale search (compress/quant/solve/gptq.py) ---
     scale_search: Literal["none", "mse", "hessian", "obs"] = Field(
         "hessian", description="GPTQ only: per group and row, shrink the min/max range by the factor (1 down to "
                                "--scale-min) whose rounding error is least when the group's scale is fixed, the "
@@ -136,7 +136,7 @@ class QuantizeConfig(StageConfig, TextOptions):
                                                   "group scales by least squares on the layer's input Hessian "
                                                   "(same bytes; the layer's output error cannot grow)")
     # --- end scale search ---
-    # --- block-wise reconstruction (compress/quant/block_tune.py) ---
+    # --- block-wise reconstruction (compress/quant/solve/block_tune.py) ---
     block_tune: bool = Field(False, description="GPTQ only: after each block's solves, train its codes (each may "
                                                 "move one step up or down) and group scales so the block's "
                                                 "output matches the float block's on the calibration inputs; "
@@ -155,7 +155,7 @@ class QuantizeConfig(StageConfig, TextOptions):
                                "the target (channel; a residual stream's energy sits in a few channels), or the "
                                "plain output MSE")
     # --- end block-wise reconstruction ---
-    # --- head quantization (compress/quant/head.py) ---
+    # --- head quantization (compress/quant/solve/head.py) ---
     quantize_head: int | str | None = Field(
         None, description="also GPTQ the untied output head (lm_head) at these bits and group size: 8g128, "
                           "4g64, 8ch (one group per row) or bare bits at --group-size; uniform --bits only; "
@@ -224,7 +224,7 @@ class QuantizeConfig(StageConfig, TextOptions):
     def head_pair(self) -> tuple[int, int] | None:
         """The head's (bits, group size) from ``quantize_head``; bare bits take the group size
         (an unresolved default reads as 128 here, as in :meth:`core`)."""
-        from layercut.compress.quant.allocate import parse_candidate
+        from layercut.compress.quant.search.allocate import parse_candidate
 
         if self.quantize_head is None:
             return None
@@ -232,7 +232,7 @@ class QuantizeConfig(StageConfig, TextOptions):
 
     def distributed_blocker(self) -> str | None:
         """Why these options cannot run data-parallel under torchrun, or None when they can
-        (uniform bits, GPTQ or RTN, any ``sequential``; see compress/distributed.py)."""
+        (uniform bits, GPTQ or RTN, any ``sequential``; see compress/core/distributed.py)."""
         if self.avg_bits is not None:
             return "--avg-bits (bits chosen per unit) does not run under torchrun; use --bits, or one process"
         if self.block_tune:
@@ -245,7 +245,7 @@ class QuantizeConfig(StageConfig, TextOptions):
     def candidate_list(self) -> list[int]:
         """The candidate bit widths (of the listed pairs, or of the default set); kept for callers of
         the bits-only form — the allocation works on :meth:`candidate_pairs`."""
-        from layercut.compress.quant.allocate import DEFAULT_CANDIDATES
+        from layercut.compress.quant.search.allocate import DEFAULT_CANDIDATES
 
         return sorted({b for b, _ in (self.candidate_pairs() or DEFAULT_CANDIDATES)})
 
@@ -255,10 +255,10 @@ class QuantizeConfig(StageConfig, TextOptions):
         return None if self.candidates is None else parse_candidates(self.candidates, gs)
 
     def core(self):
-        """The solver's settings (:class:`layercut.compress.quant.driver.SolverConfig`); an unresolved
+        """The solver's settings (:class:`layercut.compress.quant.solve.driver.SolverConfig`); an unresolved
         default group size reads as 128 here, which :func:`apply` replaces by the model's own."""
-        from layercut.compress.quant.block_tune import BlockTune
-        from layercut.compress.quant.driver import SolverConfig
+        from layercut.compress.quant.solve.block_tune import BlockTune
+        from layercut.compress.quant.solve.driver import SolverConfig
 
         gs = 128 if self.group_size is None else self.group_size
         tune = BlockTune(steps=self.block_tune_steps, batch=self.block_tune_batch, lr=self.block_tune_lr, scale_lr=self.block_tune_scale_lr,

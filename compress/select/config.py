@@ -66,7 +66,7 @@ def parse_methods(value: str | list[str]) -> list[str]:
     >>> parse_methods("block-influence, angular")
     ['block-influence', 'angular']
     """
-    from layercut.compress.errors import closest
+    from layercut.compress.core.errors import closest
 
     names = [m.strip() for m in (value.split(",") if isinstance(value, str) else value) if m.strip()]
     if "all" in names:

@@ -35,7 +35,7 @@ from torch import nn
 from layercut.calibrate.capture import BlockRun, run_blocks
 from layercut.calibrate.data import CalibSet
 from layercut.calibrate.stats import last_tokens
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 from layercut.compress.select.cores import angle, best_span, cosine_sum, lowest, ranking, span_distances
 
 DATA_METHODS = ("angular", "angular-all", "block-influence", "attn-cosine", "mlp-cosine")
@@ -175,7 +175,7 @@ class ScoreCollector:
 
 
 def _num_layers(model: nn.Module) -> int:
-    from layercut.compress.arch import arch_for
+    from layercut.compress.core.arch import arch_for
 
     return len(arch_for(model).layers_of(model))
 

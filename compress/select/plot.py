@@ -19,7 +19,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.errors import LayercutError
 from layercut.compress.select.driver import LayerScores
 
 SERIES = (

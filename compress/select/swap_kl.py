@@ -34,8 +34,8 @@ from tqdm.auto import tqdm
 from layercut.calibrate import DEFAULT_CALIB_TEXT
 from layercut.calibrate.capture import run_blocks
 from layercut.calibrate.data import CalibSet, Sources, calibration_batch
-from layercut.compress.arch import arch_for
-from layercut.compress.errors import LayercutError
+from layercut.compress.core.arch import arch_for
+from layercut.compress.core.errors import LayercutError
 
 
 def token_kl(ref_logp: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor,

@@ -1,0 +1,125 @@
+"""The heal stage: distillation from the original model. ``--method lora`` (the default) trains
+LoRA adapters and merges them into dense weights; ``--method scales`` trains a GPTQ checkpoint's
+group scales in place (``layercut.heal.scales``), so its codes, zeros and bytes stay.
+
+Run it::
+
+    layercut heal pruned/ --teacher bundled:smollm2-135m -o healed/ --steps 200
+
+    from layercut.compress.workflow.stages.heal import run
+    from layercut.heal.config import HealConfig          # the config lives with the algorithm
+    run(HealConfig(steps=200, teacher="bundled:smollm2-135m"), "pruned/", "healed/")
+
+    from layercut.heal.train import heal_model                   # in memory: the same config
+    result = heal_model(student, teacher, tokenizer, HealConfig(steps=200))
+
+Checks run before anything is loaded or written: settings, output location, tokenizers,
+configs, data. With ``teacher_topk`` (default 64; 0 turns it off) the teacher runs once over the data, is freed, and
+only then is the student loaded, so the two never need to fit in memory together. Rank,
+alpha, learning rate and loss default to what ``benchmarks/heal.py`` measured on SmolLM2
+with 8 blocks removed (``docs/results/heal.md``).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+from pathlib import Path
+
+from layercut.compress.core.devices import on_device
+from layercut.compress.workflow.stages.base import RunEnv, strip_volatile
+from layercut.heal.config import HealConfig
+
+log = logging.getLogger("layercut.heal")
+def _train_dtype(name: str, path):
+    """``--dtype`` for training: ``auto`` keeps bf16/fp32 checkpoints as they are, but loads fp16 ones
+    (no loss scaling here) and GPTQ ones (dequantized into dense layers) in float32."""
+    import json
+
+    import torch
+
+    from layercut.compress.options import torch_dtype
+
+    dtype = torch_dtype(name, path)
+    if name == "auto" and (dtype == torch.float16 or "quantization_config" in json.loads(
+            (Path(path) / "config.json").read_text())):
+        return torch.float32
+    return dtype
+
+
+
+
+def _dims(config) -> tuple[int | None, int | None, int | None]:
+    return (getattr(config, "hidden_size", None), getattr(config, "vocab_size", None),
+            getattr(config, "num_hidden_layers", None))
+
+
+@on_device
+def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv | None = None) -> dict:
+    """Heal ``source`` by distillation from ``config.teacher``; write the merged model to ``output``.
+
+    Returns the report; ``heal.json`` in the checkpoint holds it without timings or paths.
+    """
+    from transformers import AutoConfig
+
+    from layercut.compress.core.errors import LayercutError
+    from layercut.compress.core.save import check_output_dir
+    from layercut.compress.io.models import load_model, load_tokenizer, resolve_model
+    from layercut.heal.data import distill_target, heal_data
+    from layercut.heal.lora import check_dims, check_tokenizers
+    from layercut.heal.state import default_state_dir
+    from layercut.heal.train import heal_model
+
+    env = env or RunEnv()
+    out = check_output_dir(output, env.overwrite)
+    if config.loss != "lm" and config.teacher is None:
+        raise LayercutError(f"--loss {config.loss} needs a teacher (--teacher ORIGINAL)")
+    state = default_state_dir(out)
+    if config.resume and not state.is_dir():
+        raise LayercutError(f"--resume: no heal checkpoint in {state}")
+    trust = env.trust_remote_code
+    student_path = resolve_model(source)
+    if config.method == "scales" and "quantization_config" not in json.loads((student_path / "config.json").read_text()):
+        raise LayercutError(f"heal --method scales tunes a GPTQ checkpoint's scales, and {source} is not one: "
+                            "quantize it first (layercut quantize), or heal it with --method lora")
+    tokenizer = load_tokenizer(student_path, trust)
+    teacher_path = env.resolve(config.teacher, "teacher")
+    if teacher_path is not None:
+        check_tokenizers(tokenizer, load_tokenizer(teacher_path, trust))
+        check_dims(_dims(AutoConfig.from_pretrained(student_path, trust_remote_code=trust)),
+                   _dims(AutoConfig.from_pretrained(teacher_path, trust_remote_code=trust)))
+    data = heal_data(tokenizer, config)
+
+    teacher = None
+    if teacher_path is not None and config.loss != "lm":
+        teacher, _ = load_model(teacher_path, dtype=_train_dtype(config.dtype, teacher_path), trust_remote_code=trust)
+        teacher = distill_target(teacher, data, config, env.progress)  # a top-k cache: the model is freed
+        gc.collect()
+    student, _ = load_model(student_path, dtype=_train_dtype(config.dtype, student_path), trust_remote_code=trust)
+    if config.method == "scales":
+        from layercut.heal.scales import tune_scales
+
+        result = tune_scales(student, teacher, tokenizer, config, student_path, out_dir=out, progress=env.progress,
+                             data=data, overwrite=env.overwrite)
+    else:
+        result = heal_model(student, teacher, tokenizer, config, out_dir=out, progress=env.progress, data=data,
+                            overwrite=env.overwrite)
+    for note in result.notes:
+        log.warning("note: %s", note)
+    info_file = out / "heal.json"
+    losses: list[float] = []
+    if info_file.is_file():  # no timings or paths inside the checkpoint: reruns are byte-identical
+        info = strip_volatile(json.loads(info_file.read_text()))
+        info_file.write_text(json.dumps(info, indent=2, default=str) + "\n")
+        losses = info.get("losses") or []
+    report = result.to_dict()
+    # first/last quarter of the steps (heal's own loss_first/last average 10 steps, which overlap on short runs)
+    k = max(1, len(losses) // 4)
+    if losses:
+        report["loss_start"], report["loss_end"] = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    else:
+        report["loss_start"], report["loss_end"] = report.get("loss_first"), report.get("loss_last")
+    report["loss_window"] = k
+    report.update(model=str(source), teacher=str(config.teacher) if config.teacher else None)
+    return report
