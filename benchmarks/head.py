@@ -102,16 +102,19 @@ def run_seed(args, seed: int, bits: int, fp, tok, ref, work: Path) -> dict:
 
     from layercut.calibrate.data import calibration_batch
     from layercut.compress.eval.evaluate import evaluate
+    from layercut.compress.quant.config import QuantizeConfig
     from layercut.compress.quant.format.checkpoint import save_quantized
     from layercut.compress.quant.format.loader import load_quantized
     from layercut.compress.quant.format.qlinear import QuantLinear
     from layercut.compress.quant.format.result import QuantizeResult
+    from layercut.compress.quant.plan import solver_settings
     from layercut.compress.quant.search.mixed import load_weights
-    from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+    from layercut.compress.quant.solve.driver import quantize_model
     from layercut.compress.quant.solve.head import head_hessian, quantize_head
 
     calib = calibration_batch(tok, args.calib, samples=args.samples, seq_len=args.seq_len, seed=seed)
-    cfg = SolverConfig(bits=bits, group_size=GS, act_order=True, static_groups=True)
+    cfg = solver_settings(QuantizeConfig(bits=bits, group_size=GS, act_order=True, static_groups=True,
+                                         scale_search="none", scale_bounds="joint"))  # the measured settings
     model = untied_copy(fp)
     last: dict = {}
 

@@ -435,12 +435,13 @@ def child_gptqmodel(args, work: Path, name: str, spec: dict, seed: int) -> dict:
 def child_sensitivity(args, work: Path) -> dict:
     from layercut.calibrate.data import CalibSet, calibration_batch
     from layercut.compress.io.models import load_model
+    from layercut.compress.quant.config import QuantizeConfig
+    from layercut.compress.quant.plan import solver_settings
     from layercut.compress.quant.search.sensitivity import (
         allocation_units,
         measure_sensitivity,
         rank_correlation,
     )
-    from layercut.compress.quant.solve.driver import SolverConfig
 
     model, tok = load_model(MODEL)
     full = calibration_batch(tok, args.calib, samples=args.samples, seq_len=args.seq_len, seed=0)
@@ -448,7 +449,9 @@ def child_sensitivity(args, work: Path) -> dict:
     units = allocation_units(model, "layer")
     cands = (2, 3, 4)
     t0 = time.perf_counter()
-    table = measure_sensitivity(model, calib, units, cands, SolverConfig(group_size=GS),
+    plain = solver_settings(QuantizeConfig(bits=4, group_size=GS, act_order=False, static_groups=False,
+                                           scale_search="none", scale_bounds="joint"))  # plain GPTQ, as measured
+    table = measure_sensitivity(model, calib, units, cands, plain,
                                 methods=("kl", "output", "output_rel", "loss"), batch_size=4, progress=False)
     kl = table.by_method["kl"]
     corr = {}

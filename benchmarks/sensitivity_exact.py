@@ -64,17 +64,13 @@ from layercut.calibrate.capture import BlockRun, capture_inputs, first_tensor, r
 from layercut.calibrate.data import CalibSet, load_texts, token_stream  # noqa: E402
 from layercut.compress.core.arch import arch_for, get_submodule  # noqa: E402
 from layercut.compress.core.errors import LayercutError  # noqa: E402
+from layercut.compress.quant.config import QuantizeConfig  # noqa: E402
+from layercut.compress.quant.plan import solver_settings  # noqa: E402
 from layercut.compress.quant.search.allocate import _solve_dp, unit_cost  # noqa: E402
 from layercut.compress.quant.search.sensitivity import AllocUnit, allocation_units, rank_correlation  # noqa: E402
-from layercut.compress.quant.solve.driver import (  # noqa: E402
-    HessianSet,
-    SolverConfig,
-    check_model,
-    linear_weight,
-    output_loss,
-    set_weight,
-    solve_group,
-)
+from layercut.compress.quant.solve.driver import HessianSet, check_model, linear_weight, set_weight  # noqa: E402
+from layercut.compress.quant.solve.linear import output_loss, solve_group  # noqa: E402
+from layercut.compress.quant.solve.settings import SolverConfig  # noqa: E402
 
 JSON_PATH = ROOT / "benchmarks" / "results" / "sensitivity_exact.json"
 DOC_PATH = ROOT / "docs" / "results" / "mixed.md"
@@ -543,8 +539,9 @@ def run(a: argparse.Namespace, cands: list[tuple[int, int]], settings: dict) -> 
     if unknown:
         raise LayercutError(f"--units: unknown unit(s) {', '.join(unknown)}")
     units = [u for u in all_units if not wanted or u.name in wanted]
-    cfg = SolverConfig(bits=BASE[0], group_size=BASE[1], sym=False, act_order=True, static_groups=True,
-                       damp=a.damp, sequential="block")
+    cfg = solver_settings(QuantizeConfig(bits=BASE[0], group_size=BASE[1], sym=False, act_order=True,
+                                         static_groups=True, damp=a.damp, sequential="block", scale_search="none",
+                                         scale_bounds="joint"))
     calib = calibration_batch(tok, a.calib, samples=a.calib_samples, seq_len=a.calib_seq_len, seed=a.seed)
     data = eval_set(tok, a.calib, a.eval_windows, a.eval_seq_len, a.eval_offset)
     fp = {n: linear_weight(model.get_submodule(n), spec.conv1d).detach().clone() for u in all_units for n in u.linears}

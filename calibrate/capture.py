@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from layercut.calibrate.data import CalibSet
 from layercut.compress.core.arch import ArchSpec, arch_for, get_submodule
+from layercut.compress.core.devices import current_device
 from layercut.compress.io.lazy import lazy_of
 
 HookFn = Callable[[int, torch.Tensor, torch.Tensor], None]  # (batch_index, module_input, module_output)
@@ -244,8 +245,6 @@ def run_blocks(
     lazy = lazy_of(model)  # a streamed model's blocks are read onto the CPU for their turn
     home = torch.device("cpu") if lazy is not None else model.get_input_embeddings().weight.device
     if device is None:  # a stage's --device (layercut.compress.core.devices.compute_device), else where the model is
-        from layercut.compress.core.devices import current_device
-
         device = current_device() or home
     device = torch.device(device)
     hidden, call_args = capture_inputs(model, calib, batch_size, spec)

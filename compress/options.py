@@ -18,13 +18,19 @@ module is torch-free: ``layercut --help`` imports it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from layercut.calibrate.sources import FIELD_KEYS, TextSource
+from layercut.compress.core.devices import DEVICE_HELP, DEVICE_PATTERN
+from layercut.compress.core.dtypes import Dtype as Dtype  # the option types live with the dtype table
+from layercut.compress.core.dtypes import SaveDtype as SaveDtype
+from layercut.compress.core.dtypes import option_dtype, option_name
 from layercut.compress.core.errors import format_error, unknown_key_message
+from layercut.compress.core.hfconfig import is_quantized
 
 # a recipe's eval/heal stage compares with / distils from the recipe's model unless told otherwise
 SOURCE = "source"
@@ -94,10 +100,6 @@ def int_list(value: str | list[int], what: str) -> list[int]:
 def torch_dtype(name: str, path=None):
     """A ``--dtype`` name as a torch dtype; ``auto`` = the checkpoint's own (fp32 if it names none,
     and for a quantized checkpoint stored in fp16)."""
-    import json
-
-    import torch
-
     if name == "auto":
         name = "fp32"
         try:
@@ -105,16 +107,12 @@ def torch_dtype(name: str, path=None):
         except (OSError, ValueError):
             cfg = {}
         stored = cfg.get("dtype") or cfg.get("torch_dtype") or (cfg.get("text_config") or {}).get("dtype")
-        name = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(str(stored), "fp32")
-        if name == "fp16" and cfg.get("quantization_config"):
+        name = option_name(str(stored)) or "fp32"
+        if name == "fp16" and is_quantized(cfg):
             # a GPTQ checkpoint stores its unquantized tensors in fp16 by convention, which says
             # nothing about the range its activations need (Gemma's overflow fp16): compute in fp32
             name = "fp32"
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
-
-
-Dtype = Literal["auto", "bf16", "fp16", "fp32"]
-SaveDtype = Literal["bf16", "fp16", "fp32"]
+    return option_dtype(name)
 
 
 # ---------------------------------------------------------------------------- text options
@@ -140,8 +138,6 @@ def messages_field_option() -> Any:
 
 
 def device_option() -> Any:
-    from layercut.compress.core.devices import DEVICE_HELP, DEVICE_PATTERN
-
     return Field("auto", pattern=DEVICE_PATTERN, description=DEVICE_HELP, json_schema_extra={"metavar": "DEVICE"})
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult
 
+from layercut.calibrate.data import DATA_DIR
 from layercut.calibrate.sources import parse_hf
 from layercut.export.card_meta import hub_dataset_id
 
@@ -41,8 +42,6 @@ def describe_text(source: str) -> dict:
 
 def bundled_text_name(source: str) -> str:
     """A bundled Brown split, described from ``calibrate/data/brown.json``."""
-    from layercut.calibrate.data import DATA_DIR
-
     split = source.removeprefix("bundled:").removeprefix("brown-")
     try:
         info = json.loads((DATA_DIR / "brown.json").read_text())

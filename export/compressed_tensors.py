@@ -47,7 +47,9 @@ from typing import Any
 import torch
 
 from layercut.compress.core.errors import LayercutError
-from layercut.compress.quant.format.pack import pack_rows
+from layercut.compress.core.shards import ShardWriter
+from layercut.compress.io.lazy import LazyModel
+from layercut.compress.quant.format.pack import pack_rows, unpack_gptq
 
 FORMAT = "pack-quantized"
 
@@ -76,8 +78,6 @@ def _pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def convert_linear(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                    bits: int, group_size: int, sym: bool, name: str = "") -> dict[str, torch.Tensor]:
     """One GPTQ v1 linear as compressed-tensors ``pack-quantized`` tensors (see the module doc)."""
-    from layercut.compress.quant.format.pack import unpack_gptq
-
     in_f, out_f = g_idx.shape[0], scales.shape[1]
     expected = torch.zeros(in_f, dtype=torch.long) if group_size == -1 else torch.arange(in_f) // group_size
     if not torch.equal(g_idx.to(torch.long), expected):
@@ -111,9 +111,6 @@ def write_compressed_tensors(src: str | os.PathLike, folder: str | os.PathLike, 
     """Write the GPTQ checkpoint ``src`` into ``folder`` in compressed-tensors format (weights and
     ``config.json``; side files are the caller's). Returns ``{"layers": n, "groups": {"4g128": n, ...}}``."""
     from tqdm.auto import tqdm
-
-    from layercut.compress.core.shards import ShardWriter
-    from layercut.compress.io.lazy import LazyModel
 
     src, folder = Path(src), Path(folder)
     raw_config = json.loads((src / "config.json").read_text())

@@ -31,13 +31,23 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from layercut.compress.core.arch import arch_for
+from layercut.compress.core.dtypes import OPTION_NAMES, option_dtype
 from layercut.compress.core.errors import LayercutError
+from layercut.compress.core.hfconfig import is_quantized, read_config
 from layercut.compress.core.save import atomic_dir, check_output_dir
 from layercut.compress.core.shards import INDEX
 from layercut.compress.core.units import check_size
+from layercut.compress.depth.stream_drop import write_without_blocks
+from layercut.compress.io.lazy import LazyModel, stream_blocker
+from layercut.compress.io.models import load_model, resolve_model
 from layercut.compress.options import torch_dtype
+from layercut.compress.quant.format.loader import write_dequantized
+from layercut.compress.quant.format.qlinear import QuantLinear
+from layercut.export.compressed_tensors import check_ct_source, write_compressed_tensors
+from layercut.export.gguf import _types, check_gguf_source, gguf_file_name, write_gguf
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {name: option_dtype(name) for name in OPTION_NAMES}  # --save-dtype: fp32, fp16, bf16
 FORMATS = ("safetensors", "gguf", "compressed-tensors")
 # Files of a checkpoint that are not weights but travel with it (tokenizer, generation, GPTQ configs).
 # What an export writes itself (from the run), never copied over from the input checkpoint.
@@ -67,19 +77,6 @@ def probe_writable(target: str | os.PathLike) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".layercut-probe-", dir=probe))
     except OSError as exc:
         raise LayercutError(f"output location {probe} is not writable ({exc.strerror})") from None
-
-
-def read_config(path: Path) -> dict:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise LayercutError(f"{path} has no config.json: not a Hugging Face model directory") from None
-    except json.JSONDecodeError as exc:
-        raise LayercutError(f"{path}/config.json is not valid JSON ({exc.msg})") from None
-
-
-def is_quantized(path: str | os.PathLike) -> bool:
-    return read_config(Path(path)).get("quantization_config") is not None
 
 
 def export_checkpoint(
@@ -122,8 +119,6 @@ def export_checkpoint(
 
 
 def _check_inputs(src: str | os.PathLike, dequantize: bool, dtype: str | None, max_shard_size: str) -> Path:
-    from layercut.compress.io.models import resolve_model
-
     path = resolve_model(src)
     quantized = is_quantized(path)
     if dequantize and not quantized:
@@ -153,13 +148,9 @@ def _check_format(src: Path, fmt: str, gguf_type: str | None, dequantize: bool, 
                             + (" (choose the GGUF type with --gguf-type)" if fmt == "gguf" else ""))
     config = read_config(src)
     if fmt == "gguf":
-        from layercut.export.gguf import _types, check_gguf_source
-
         check_gguf_source(config, src)
         _types(gguf_type or "f16")
     else:
-        from layercut.export.compressed_tensors import check_ct_source
-
         check_ct_source(config, src)
 
 
@@ -167,13 +158,9 @@ def _write_other_format(src: Path, folder: Path, fmt: str, gguf_type: str, max_s
                         extra_files: dict[str, str | bytes] | None) -> ExportResult:
     """The GGUF / compressed-tensors export into ``folder`` (a temp dir the caller moves into place)."""
     if fmt == "gguf":
-        from layercut.export.gguf import gguf_file_name, write_gguf
-
         write_gguf(src, folder / gguf_file_name(gguf_type), gguf_type)
         weights = [folder / gguf_file_name(gguf_type)]
     else:
-        from layercut.export.compressed_tensors import write_compressed_tensors
-
         write_compressed_tensors(src, folder, max_shard_size)
         _copy_side_files(src, folder, skip_existing=True, skip=("quantize_config.json",))
         weights = list(folder.glob("*.safetensors"))
@@ -207,32 +194,21 @@ def write_export_into(
     quantized = is_quantized(src)
     lazy = None
     if stream and not quantized and not trust_remote_code:
-        from layercut.compress.io.lazy import stream_blocker
-
         if stream_blocker(src) is None:
-            from layercut.compress.io.lazy import LazyModel
-
             dtype = DTYPES[save_dtype] if save_dtype is not None else torch_dtype(load_dtype, src)
             lazy = LazyModel(src, storage_dtype=dtype)
     if quantized and not dequantize:
         _copy_checkpoint(src, folder)
     elif quantized and stream and not trust_remote_code and _streamable_quantized(src):
-        from layercut.compress.io.lazy import LazyModel
-        from layercut.compress.quant.format.loader import write_dequantized
-
         # one quantized linear dequantized at a time (issue 26), the tensors of the whole-model path
         dtype = DTYPES[save_dtype] if save_dtype is not None else torch_dtype(load_dtype, src)
         write_dequantized(LazyModel(src, allow_quantized=True), folder, dtype, max_shard_size)
         _copy_side_files(src, folder, skip_existing=True, skip=("config.json", "quantize_config.json"))
     elif lazy is not None:
-        from layercut.compress.depth.stream_drop import write_without_blocks
-
         write_without_blocks(lazy, folder, [], max_shard_size=max_shard_size)  # copies the side files too
         for name in _OWN_FILES:  # the run's own card, report and recipe come from extra_files, never the input
             (folder / name).unlink(missing_ok=True)
     else:
-        from layercut.compress.io.models import load_model
-
         model, tokenizer = load_model(src, dtype=torch_dtype(load_dtype, src), trust_remote_code=trust_remote_code)
         if dequantize:
             dequantize_model(model)
@@ -252,8 +228,6 @@ def write_export_into(
 
 
 def _streamable_quantized(src: Path) -> bool:
-    from layercut.compress.io.lazy import stream_blocker
-
     return stream_blocker(src, quantized=True) is None
 
 
@@ -282,9 +256,6 @@ def dequantize_model(model: nn.Module) -> int:
     GPT-2 style models get ``Conv1D`` back (weight stored transposed, [in, out]). Drops
     ``config.quantization_config``. Returns the number of layers replaced.
     """
-    from layercut.compress.core.arch import arch_for
-    from layercut.compress.quant.format.qlinear import QuantLinear
-
     conv1d = arch_for(model).conv1d
     count = 0
     for name, module in list(model.named_modules()):

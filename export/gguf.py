@@ -44,6 +44,9 @@ import numpy as np
 import torch
 
 from layercut.compress.core.errors import LayercutError
+from layercut.compress.core.gguf_convert import gguf_tables
+from layercut.compress.io.lazy import LazyModel
+from layercut.export.gguf_vocab import add_tokenizer
 
 GGUF_TYPES = ("f16", "bf16", "q8_0")
 ARCHS = {"llama": "llama"}  # HF model_type -> GGUF architecture written
@@ -158,10 +161,6 @@ def write_gguf(src: str | os.PathLike, path: str | os.PathLike, gguf_type: str =
     from gguf import GGML_QUANT_VERSION, GGUFWriter
     from gguf import GGMLQuantizationType as Q
     from tqdm.auto import tqdm
-
-    from layercut.compress.core.gguf_convert import gguf_tables
-    from layercut.compress.io.lazy import LazyModel
-    from layercut.export.gguf_vocab import add_tokenizer
 
     src, path = Path(src), Path(path)
     check_gguf_source(json.loads((src / "config.json").read_text()), src)

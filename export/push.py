@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from layercut.compress.core.errors import LayercutError
+from layercut.export.card_usage import folder_kind, set_usage
 
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
 REPO_ID = re.compile(rf"^{_NAME}/{_NAME}$")
@@ -102,8 +103,6 @@ def upload_list(folder: Path) -> list[str]:
 def pushed_card(folder: Path, repo_id: str, revision: str | None = None) -> bytes | None:
     """README.md as uploaded, if it differs from the local one: a layercut card (one marked usage
     block) gets the snippet for the folder's checkpoint kind, loading ``repo_id``; else None."""
-    from layercut.export.card_usage import folder_kind, set_usage
-
     readme = folder / "README.md"
     if not readme.is_file():
         return None

@@ -20,7 +20,7 @@ from pydantic import AliasChoices, Field, ValidationError, model_validator
 
 from layercut.calibrate import DEFAULT_CALIB_TEXT
 from layercut.calibrate.sources import FIELD_KEYS
-from layercut.compress.core.errors import unknown_key_message
+from layercut.compress.core.errors import LayercutError, format_error, unknown_key_message
 from layercut.compress.options import (
     SOURCE,
     TEXT_SPEC_HELP,
@@ -141,8 +141,6 @@ class HealConfig(StageConfig, TextOptions):
     @classmethod
     def parse(cls, values: dict[str, Any] | None = None, **kwargs: Any) -> HealConfig:
         """Build from a dict (e.g. a recipe section); bad keys/values become one LayercutError."""
-        from layercut.compress.core.errors import LayercutError, format_error
-
         try:
             return cls(**{**(values or {}), **kwargs})
         except ValidationError as exc:

@@ -27,8 +27,14 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from layercut.compress.core.devices import resolve_device
 from layercut.compress.core.errors import LayercutError
+from layercut.compress.core.save import atomic_dir, check_output_dir
+from layercut.compress.quant.format.pack import unpack_gptq
+from layercut.compress.quant.format.qlinear import QuantLinear
 from layercut.heal.config import HealConfig, HealResult
+from layercut.heal.data import HealDataset, heal_data
+from layercut.heal.train import _teacher_and_cache, _train
 
 NOTE = ("only the GPTQ group scales were trained (fp16, in place): codes, zero points, g_idx and the bytes on "
         "disk are the source's")
@@ -38,8 +44,6 @@ class ScaleTuned(nn.Module):
     """A GPTQ linear whose scales train: y = x · (s0 (1 + θ)[g_idx] · (q − z))ᵀ + b, all else frozen."""
 
     def __init__(self, layer: nn.Module):
-        from layercut.compress.quant.format.pack import unpack_gptq
-
         super().__init__()
         q, z = unpack_gptq(layer.qweight, layer.qzeros, layer.bits, layer.in_features, layer.out_features)
         g = layer.g_idx.long()
@@ -61,8 +65,6 @@ class ScaleTuned(nn.Module):
 
 
 def _quant_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    from layercut.compress.quant.format.qlinear import QuantLinear
-
     return [(parent, child, mod) for parent in model.modules()
             for child, mod in parent.named_children() if isinstance(mod, QuantLinear)]
 
@@ -141,11 +143,6 @@ def tune_scales(student: nn.Module, teacher, tokenizer, cfg: HealConfig, source:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from torch.utils.data import DataLoader
-
-    from layercut.compress.core.devices import resolve_device
-    from layercut.compress.core.save import atomic_dir, check_output_dir
-    from layercut.heal.data import HealDataset, heal_data
-    from layercut.heal.train import _teacher_and_cache, _train
 
     out = check_output_dir(out_dir, overwrite) if out_dir is not None else None
     if data is None:

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from layercut.calibrate.data import CalibSet
+from layercut.compress.core.devices import resolve_device
 from layercut.compress.core.errors import LayercutError
 from layercut.compress.core.save import atomic_dir, check_output_dir, write_checkpoint_into
 from layercut.heal.config import HealConfig, HealResult
@@ -92,8 +93,6 @@ def heal_model(
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
-
-    from layercut.compress.core.devices import resolve_device
 
     cfg = config if isinstance(config, HealConfig) else HealConfig.parse(config)
     out = check_output_dir(out_dir, overwrite) if out_dir is not None else None

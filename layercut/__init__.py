@@ -43,15 +43,17 @@ try:
 except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
+# The stage configs come from the stage table (layercut.compress.workflow.stages.CONFIGS), which
+# imports each from its home: this file names them, it does not say where they live.
+_STAGES = "layercut.compress.workflow.stages"
 _LAZY = {
     "load": "layercut.api", "score": "layercut.api", "prune": "layercut.api", "quantize": "layercut.api",
     "evaluate": "layercut.api", "run": "layercut.api",
     "heal": "layercut.heal", "export": "layercut.export",  # callable subpackages, see above
     "LayercutError": "layercut.compress.core.errors", "GateFailed": "layercut.compress.core.errors",
     "Recipe": "layercut.compress.workflow.recipe",
-    "ScoreConfig": "layercut.compress.workflow.stages.score", "PruneConfig": "layercut.compress.workflow.stages.prune",
-    "HealConfig": "layercut.heal.config", "QuantizeConfig": "layercut.compress.quant.config",
-    "EvalConfig": "layercut.compress.workflow.stages.eval", "ExportConfig": "layercut.compress.workflow.stages.export",
+    "ScoreConfig": _STAGES, "PruneConfig": _STAGES, "HealConfig": _STAGES, "QuantizeConfig": _STAGES,
+    "EvalConfig": _STAGES, "ExportConfig": _STAGES,
 }
 
 __all__ = [*_LAZY, "__version__"]

@@ -46,3 +46,6 @@ EOF
 if grep -q '^\[tool.importlinter\]' "$REPO/pyproject.toml"; then
   PYTHONPATH="$TMP/site" lint-imports --config "$REPO/pyproject.toml"
 fi
+# No import cycle at all (function-level and TYPE_CHECKING imports counted), and layercut imports
+# inside function bodies only in the entry points (docs/architecture.md).
+python "$REPO/scripts/check_imports.py"

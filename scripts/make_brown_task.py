@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "compress" / "tasks" / "brown_cloze" / "brown_cloze.jsonl"
+OUT = ROOT / "compress" / "eval" / "tasks" / "brown_cloze" / "brown_cloze.jsonl"
 SOURCE = "bundled:brown-test"
 SEED = 16
 ITEMS_PER_DOC = 8

@@ -177,6 +177,16 @@ def test_every_module_has_one_name_and_the_op_registers_once():
             "(pip install -e . from the checkout)")
 
 
+def test_the_config_names_come_from_the_stage_table():
+    """``layercut.<Name>Config`` is the stage table's class (one table: stages.CONFIGS), and every
+    stage's config is exported."""
+    from layercut.compress.workflow.stages import CONFIGS, STAGES
+
+    assert STAGES == ("score", "prune", "heal", "quantize", "export", "eval")
+    for cls in CONFIGS.values():
+        assert cls.__name__ in layercut.__all__ and getattr(layercut, cls.__name__) is cls
+
+
 def test_heal_and_export_are_the_api_functions_and_the_subpackages():
     """``layercut.export``/``layercut.heal`` stay callable after their subpackages are imported."""
     import layercut.export.card  # noqa: F401 (binds layercut.export to the subpackage)

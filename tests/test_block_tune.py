@@ -21,8 +21,9 @@ from layercut.compress.quant.solve.block_tune import (
     masked_mse,
     tune_block,
 )
-from layercut.compress.quant.solve.driver import SolverConfig, _BlockTuner, quantize_model
+from layercut.compress.quant.solve.driver import _BlockTuner, quantize_model
 from layercut.compress.quant.solve.gptq import gptq_quantize, hessian_update
+from tests.plain_solver import plain_solver
 from tests.test_cli_errors import check_one_error, tree
 from tests.test_quantize import small_model
 
@@ -104,7 +105,7 @@ def test_tuning_lowers_block_error_and_model_kl(family):
     kls = {}
     for tune in (None, BlockTune(steps=60, lr=0.01)):
         model = copy.deepcopy(ref)
-        result = quantize_model(model, calib, SolverConfig(bits=2, group_size=32, tune=tune), batch_size=4,
+        result = quantize_model(model, calib, plain_solver(bits=2, group_size=32, tune=tune), batch_size=4,
                                 progress=False)
         kls[tune is not None] = _kl(ref, model, probe)
         if tune is not None:
@@ -120,7 +121,7 @@ def test_float_target_follows_the_float_model():
     float output on the float stream), not the quantized stream's."""
     model = small_model("llama")
     calib = _calib(model, n=4)
-    tuner = _BlockTuner(BlockTune(target="float"), QuantizeResult(config=SolverConfig()))
+    tuner = _BlockTuner(BlockTune(target="float"), QuantizeResult(config=plain_solver()))
     seen = []
 
     def on_block(run):
@@ -145,8 +146,8 @@ def test_tuning_never_keeps_a_worse_block():
     ref = small_model("llama", layers=1)
     calib = _calib(ref, n=4)
     plain, tuned = copy.deepcopy(ref), copy.deepcopy(ref)
-    quantize_model(plain, calib, SolverConfig(bits=3, group_size=32), batch_size=2, progress=False)
-    r = quantize_model(tuned, calib, SolverConfig(bits=3, group_size=32,
+    quantize_model(plain, calib, plain_solver(bits=3, group_size=32), batch_size=2, progress=False)
+    r = quantize_model(tuned, calib, plain_solver(bits=3, group_size=32,
                                                   tune=BlockTune(steps=4, lr=50.0, scale_lr=5.0)),
                        batch_size=2, progress=False)
     assert not r.tune_reports[0].kept
@@ -289,7 +290,7 @@ def test_channel_loss_tunes_a_model():
     ref = small_model("llama", layers=1)
     calib = _calib(ref, n=4)
     model = copy.deepcopy(ref)
-    r = quantize_model(model, calib, SolverConfig(bits=2, group_size=32, tune=BlockTune(steps=30, lr=0.01,
+    r = quantize_model(model, calib, plain_solver(bits=2, group_size=32, tune=BlockTune(steps=30, lr=0.01,
                                                                                       loss="channel")),
                        batch_size=2, progress=False)
     assert r.tune_reports[0].kept and r.tune_reports[0].loss_tuned < r.tune_reports[0].loss_gptq

@@ -114,13 +114,13 @@ def _tensors(folder):
 @pytest.mark.parametrize("save", [None, "fp16", "bf16"])
 def test_streamed_dense_export_equals_the_whole_model_path(tiny_model_dir, tmp_path, save, monkeypatch):
     """A dense export is a tensor-by-tensor copy (one tensor in memory), equal to load + save_pretrained."""
-    import layercut.compress.io.models
+    import layercut.export.export
 
     src = tiny_model_dir("llama")
     flags = ["--save-dtype", save] if save else []
     calls = []
-    real = layercut.compress.io.models.load_model
-    monkeypatch.setattr(layercut.compress.io.models, "load_model", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = layercut.export.export.load_model
+    monkeypatch.setattr(layercut.export.export, "load_model", lambda *a, **k: calls.append(a) or real(*a, **k))
     assert main(["export", str(src), "-o", str(tmp_path / "streamed"), "--no-card", *flags]) == 0
     assert calls == []  # the streamed path never builds the model
     assert main(["export", str(src), "-o", str(tmp_path / "whole"), "--no-card", "--whole-model", *flags]) == 0

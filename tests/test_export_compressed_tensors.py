@@ -11,6 +11,7 @@ import torch
 
 from layercut.compress.workflow.cli import main
 from tests.conftest import import_extra
+from tests.plain_solver import plain_solver
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +43,13 @@ def symmetric(tiny_model_dir, tmp_path_factory):
 def mixed(tiny_tokenizer, tmp_path_factory):
     """4-bit g32 base; layer 1 8-bit per channel; 3-bit g64 and g128 linears; a 4-bit g64 group."""
     from layercut.compress.quant.format.checkpoint import save_quantized
-    from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+    from layercut.compress.quant.solve.driver import quantize_model
     from tests.test_mixed_precision import _pair_plan
     from tests.test_quantize import _calib, small_model
 
     model = small_model("llama")
     plan = _pair_plan(model)
-    res = quantize_model(model, _calib(tiny_tokenizer), SolverConfig(bits=4, group_size=32), plan, batch_size=4,
+    res = quantize_model(model, _calib(tiny_tokenizer), plain_solver(bits=4, group_size=32), plan, batch_size=4,
                          progress=False)
     path = tmp_path_factory.mktemp("pairs") / "mixed"
     save_quantized(model, tiny_tokenizer, res, path)

@@ -15,8 +15,8 @@ from layercut.compress.quant.search.allocate import allocate_bits, uniform_avg_b
 from layercut.compress.quant.search.mixed import compare_kl, float_weights, held_apart
 from layercut.compress.quant.search.sensitivity import allocation_units
 from layercut.compress.quant.search.swap import measure_swaps, quantize_variants, swap_candidates
-from layercut.compress.quant.solve.driver import SolverConfig
 from layercut.compress.workflow.cli import main
+from tests.plain_solver import plain_solver
 from tests.test_quantize import _calib, small_model
 
 CANDS = [(3, -1), (3, 32), (4, 32)]
@@ -48,7 +48,7 @@ def test_swaps_equal_the_whole_model_kl(tiny_tokenizer):
     model = small_model()
     fp = float_weights(model)
     units = allocation_units(model, "group")
-    cfg = SolverConfig(group_size=32, act_order=True, static_groups=True)
+    cfg = plain_solver(group_size=32, act_order=True, static_groups=True)
     base, variants = quantize_variants(model, _calib(tiny_tokenizer, 4, 32), cfg, units, (3, 32), CANDS,
                                        batch_size=2, progress=False)
     held, _ = held_apart(tiny_tokenizer, "bundled:brown-calib", 3, 32, 0, 4, part=1)

@@ -115,7 +115,7 @@ def test_tasks_on_a_depth_pruned_model_in_a_recipe(lm_eval, tiny_model_dir, tmp_
 
 
 def test_tasks_on_a_gptq_checkpoint_run_its_quantlinear_layers(lm_eval, tiny_model_dir, tmp_path, monkeypatch):
-    import layercut.compress.eval.lmeval
+    import layercut.compress.workflow.stages.eval as eval_stage
     from layercut.compress.quant.config import QuantizeConfig
     from layercut.compress.quant.format.qlinear import QuantLinear
     from layercut.compress.workflow.stages.quantize import run as quantize
@@ -123,13 +123,13 @@ def test_tasks_on_a_gptq_checkpoint_run_its_quantlinear_layers(lm_eval, tiny_mod
     q = tmp_path / "q4"
     quantize(QuantizeConfig(bits=4, group_size=32, method="rtn"), tiny_model_dir("llama"), q)
     seen = {}
-    original = layercut.compress.eval.lmeval.run_tasks
+    original = eval_stage.run_tasks  # lmeval's, as the stage calls it
 
     def spy(model, *args, **kwargs):
         seen["quantlinear"] = sum(isinstance(m, QuantLinear) for m in model.modules())
         return original(model, *args, **kwargs)
 
-    monkeypatch.setattr(layercut.compress.eval.lmeval, "run_tasks", spy)
+    monkeypatch.setattr(eval_stage, "run_tasks", spy)
     report = run(EvalConfig(**FAST, tasks="brown_cloze", limit=4), q)
     assert seen["quantlinear"] == 6 * 7  # every linear of the 6 blocks
     assert report["tasks"]["brown_cloze"]["samples"] == 4

@@ -28,8 +28,9 @@ from layercut.compress.quant.search.allocate import (
 )
 from layercut.compress.quant.search.mixed import DEFAULT_CANDIDATES, TWO_BIT_CANDIDATES, resolve_candidates
 from layercut.compress.quant.search.sensitivity import allocation_units, measure_sensitivity
-from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+from layercut.compress.quant.solve.driver import quantize_model
 from layercut.compress.workflow.cli import main
+from tests.plain_solver import plain_solver
 from tests.test_quantize import ATOL, _calib, _probe, small_model
 
 
@@ -186,7 +187,7 @@ def _pair_plan(model) -> dict[str, tuple[int, int]]:
 def pair_ckpt(tmp_path_factory, tiny_tokenizer):
     model = small_model("llama")
     plan = _pair_plan(model)
-    res = quantize_model(model, _calib(tiny_tokenizer), SolverConfig(bits=4, group_size=32), plan, batch_size=4,
+    res = quantize_model(model, _calib(tiny_tokenizer), plain_solver(bits=4, group_size=32), plan, batch_size=4,
                          progress=False)
     path = tmp_path_factory.mktemp("pairs") / "mixed"
     save_quantized(model, tiny_tokenizer, res, path)
@@ -247,10 +248,10 @@ def test_fused_groups_share_one_pair_and_sizes_must_divide():
     checked against the global one instead of the linear's own."""
     model = small_model("llama")
     with pytest.raises(LayercutError, match="must share one bit width and group size"):
-        quantize_model(model, None, SolverConfig(method="rtn", group_size=32),
+        quantize_model(model, None, plain_solver(method="rtn", group_size=32),
                        {"model.layers.0.self_attn.q_proj": (4, 64)})
     with pytest.raises(LayercutError, match="group size 128 does not divide in_features=64 of model.layers.0.mlp"):
-        quantize_model(model, None, SolverConfig(method="rtn", group_size=32),
+        quantize_model(model, None, plain_solver(method="rtn", group_size=32),
                        {"model.layers.0.mlp.gate_proj": (4, 128), "model.layers.0.mlp.up_proj": (4, 128)})
     dyn = dynamic_overrides(model, {n: (4, -1) for _, _, n, _ in target_linears(model)}, (4, -1))
     assert dyn == {}  # uniform: no dynamic, so stock transformers loads it
@@ -261,7 +262,7 @@ def test_sensitivity_measures_only_fitting_pairs(tiny_tokenizer):
     model = small_model("llama", layers=2)
     units = allocation_units(model, "group")
     table = measure_sensitivity(model, _calib(tiny_tokenizer, n=2), units, [(3, 128), (4, 32), (8, -1)],
-                                SolverConfig(group_size=32), methods=("loss",), batch_size=2, progress=False)
+                                plain_solver(group_size=32), methods=("loss",), batch_size=2, progress=False)
     for u in units:
         keys = set(table.delta[u.name])
         assert keys == ({(3, 128), (4, 32), (8, -1)} if u.name.endswith("down") else {(4, 32), (8, -1)}), u.name
@@ -277,7 +278,7 @@ def test_loss_only_sensitivity_equals_the_general_pass(tiny_tokenizer, unit):
     model = small_model("llama", layers=2)
     units = allocation_units(model, unit)
     pairs = [(3, 128), (4, 32), (8, -1)] if unit == "group" else [(3, 64), (4, 32), (8, -1)]  # g128: down only
-    args = (model, _calib(tiny_tokenizer, n=2), units, pairs, SolverConfig(group_size=32))
+    args = (model, _calib(tiny_tokenizer, n=2), units, pairs, plain_solver(group_size=32))
     lean = measure_sensitivity(*args, methods=("loss",), batch_size=2, progress=False)
     full = measure_sensitivity(*args, methods=("loss", "output"), batch_size=2, progress=False)
     assert lean.delta == full.by_method["loss"] and all(lean.delta.values())

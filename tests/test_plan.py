@@ -112,13 +112,13 @@ def test_smallest_reachable_size_is_named(tiny_model_dir, tmp_path, capsys, layo
 
 
 def test_plan_end_to_end_writes_a_loadable_model_within_target(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    from layercut.compress.depth import prune as depth_prune  # where the prune stage's selection scores
     from layercut.compress.io.models import load_model
-    from layercut.compress.select import driver
     from layercut.compress.workflow.recipe import load_recipe
 
     calls = []
-    real = driver.compute_scores
-    monkeypatch.setattr(driver, "compute_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = depth_prune.compute_scores
+    monkeypatch.setattr(depth_prune, "compute_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     code = main(["plan", str(tiny_model_dir("llama")), "--target-size", "45%", "-o", str(tmp_path / "p"),
                  "--top-k", "2", "--json", *FAST])
@@ -170,15 +170,15 @@ def test_block_scores_are_computed_once_for_all_cuts(tiny_model_dir, tmp_path, m
     """The first cut scores the blocks; later cuts select from those scores (nested removed sets),
     and pick exactly what the prune stage picks on its own."""
     from layercut.calibrate.sources import TextSource
+    from layercut.compress.depth import prune as depth_prune  # where the prune stage's selection scores
     from layercut.compress.io.models import load_tokenizer
-    from layercut.compress.select import driver
     from layercut.compress.workflow.planner.measure import KLJudge
     from layercut.compress.workflow.planner.search import _cut, _prune_config, _removed
     from layercut.compress.workflow.stages import prune
 
     calls = []
-    real = driver.compute_scores
-    monkeypatch.setattr(driver, "compute_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = depth_prune.compute_scores
+    monkeypatch.setattr(depth_prune, "compute_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
     src = tiny_model_dir("llama")
     cfg = PlanConfig(size="45%", samples=8, prune_samples=8, seq_len=32, kl_samples=2)
     judge = KLJudge(src, load_tokenizer(src), [TextSource(source=cfg.calib)], cfg.kl_samples, cfg.seq_len, cfg.seed,

@@ -25,12 +25,13 @@ from layercut.compress.quant.format.loader import load_quantized
 from layercut.compress.quant.format.pack import dequantize_gptq
 from layercut.compress.quant.format.qlinear import QuantLinear
 from layercut.compress.quant.format.result import QuantizeResult
-from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+from layercut.compress.quant.solve.driver import quantize_model
 from layercut.compress.quant.solve.gptq import hessian_update
 from layercut.compress.quant.solve.head import check_head, head_hessian, quantize_head
 from layercut.compress.workflow.cli import main
 from layercut.export.card_usage import folder_kind
 from tests.conftest import tiny_config
+from tests.plain_solver import plain_solver
 from tests.test_cli_errors import check_one_error, tree
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
@@ -62,7 +63,7 @@ def headq(tmp_path_factory, tiny_tokenizer):
     probe = _probe(tiny_tokenizer)
     for kind, head in (("8g32", (8, GS)), ("4g32", (4, GS))):
         model = small_model()
-        res = quantize_model(model, _calib(tiny_tokenizer), SolverConfig(bits=4, group_size=GS), batch_size=4,
+        res = quantize_model(model, _calib(tiny_tokenizer), plain_solver(bits=4, group_size=GS), batch_size=4,
                              progress=False, head=head)
         path = tmp_path_factory.mktemp("qh") / kind
         save_quantized(model, tiny_tokenizer, res, path)
@@ -130,7 +131,7 @@ def test_sliced_head_solve_equals_one_solve_and_beats_rtn(tiny_tokenizer):
     calib = _calib(tiny_tokenizer)
     H, _ = head_hessian(model, run_blocks(model, calib, [], batch_size=4, progress=False),
                         [m.bool() for _, m in calib.split(4)])
-    cfg = SolverConfig(bits=4, group_size=GS, act_order=True, static_groups=True)
+    cfg = plain_solver(bits=4, group_size=GS, act_order=True, static_groups=True)
     packed = {}
     for rows in (64, 1 << 14):
         m = copy.deepcopy(model)
@@ -141,7 +142,7 @@ def test_sliced_head_solve_equals_one_solve_and_beats_rtn(tiny_tokenizer):
         for k in ("qweight", "qzeros", "scales", "g_idx"):
             assert torch.equal(a.tensors[k], b.tensors[k]), (bits, k)
         assert a.loss == pytest.approx(b.loss, rel=1e-4)
-    rtn = quantize_head(copy.deepcopy(model), None, 4, GS, SolverConfig(bits=4, group_size=GS, method="rtn"),
+    rtn = quantize_head(copy.deepcopy(model), None, 4, GS, plain_solver(bits=4, group_size=GS, method="rtn"),
                         QuantizeResult(config=cfg))
     W = model.lm_head.weight.detach()
     t = rtn.tensors

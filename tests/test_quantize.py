@@ -30,10 +30,11 @@ from layercut.compress.quant.search.sensitivity import (
     measure_sensitivity,
     rank_correlation,
 )
-from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+from layercut.compress.quant.solve.driver import quantize_model
 from layercut.compress.workflow.cli import main
 from layercut.compress.workflow.stages.quantize import quantize_checkpoint
 from tests.conftest import tiny_config
+from tests.plain_solver import plain_solver
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 ATOL = 5e-3  # logits of magnitude ~1: fp16 embeddings/norms (and GPTQModel's fp16 compute)
@@ -82,7 +83,7 @@ def quantized(tmp_path_factory, tiny_tokenizer):
     for kind in ("uniform", "mixed"):
         model = small_model("llama")
         bits = _mixed_bits(model) if kind == "mixed" else {}
-        res = quantize_model(model, _calib(tiny_tokenizer), SolverConfig(bits=4, group_size=GS), bits,
+        res = quantize_model(model, _calib(tiny_tokenizer), plain_solver(bits=4, group_size=GS), bits,
                              batch_size=4, progress=False)
         path = tmp_path_factory.mktemp("q") / kind
         save_quantized(model, tiny_tokenizer, res, path)
@@ -111,7 +112,7 @@ def test_rtn_stage_matches_core(tiny_tokenizer):
     from layercut.compress.quant.solve.gptq import rtn_quantize
 
     model, ref = small_model("llama"), small_model("llama")
-    quantize_model(model, None, SolverConfig(bits=3, group_size=GS, method="rtn"), progress=False)
+    quantize_model(model, None, plain_solver(bits=3, group_size=GS, method="rtn"), progress=False)
     for (_, _, name, m), (_, _, _, r) in zip(target_linears(model), target_linears(ref)):
         assert torch.equal(m.weight, rtn_quantize(r.weight, 3, GS).dequant), name
     assert len(list(target_linears(model))) == 3 * 7
@@ -131,7 +132,7 @@ def test_sequential_modes_and_gptq_beats_rtn(tiny_tokenizer):
     runs = {}
     for seq in ("block", "linear"):
         model = small_model()
-        res = quantize_model(model, calib, SolverConfig(bits=3, group_size=GS, sequential=seq), batch_size=4,
+        res = quantize_model(model, calib, plain_solver(bits=3, group_size=GS, sequential=seq), batch_size=4,
                              progress=False)
         assert len(res.layers) == 3 * 7 and res.tokens == int(calib.attention_mask.sum())
         runs[seq] = (model, res)
@@ -140,7 +141,7 @@ def test_sequential_modes_and_gptq_beats_rtn(tiny_tokenizer):
     o0 = "model.layers.0.self_attn.o_proj"
     assert not torch.equal(runs["block"][1].layers[o0].tensors["qweight"], runs["linear"][1].layers[o0].tensors["qweight"])
     rtn = small_model()
-    quantize_model(rtn, None, SolverConfig(bits=3, group_size=GS, method="rtn"), progress=False)
+    quantize_model(rtn, None, plain_solver(bits=3, group_size=GS, method="rtn"), progress=False)
     assert _out_err(runs["block"][0], fp, probe) < _out_err(rtn, fp, probe)
 
 
@@ -148,7 +149,7 @@ def test_sequential_modes_and_gptq_beats_rtn(tiny_tokenizer):
 def test_other_families_roundtrip(family, tiny_tokenizer, tmp_path):
     """Conv1D (GPT-2, weights transposed) and fused qkv/gate_up (Phi-3) save and load."""
     model = small_model(family)
-    res = quantize_model(model, _calib(tiny_tokenizer), SolverConfig(bits=4, group_size=GS), batch_size=4,
+    res = quantize_model(model, _calib(tiny_tokenizer), plain_solver(bits=4, group_size=GS), batch_size=4,
                          progress=False)
     save_quantized(model, tiny_tokenizer, res, tmp_path / "q")
     probe = _probe(tiny_tokenizer)
@@ -287,7 +288,7 @@ def test_sensitivity_units_and_model_unchanged(tiny_tokenizer):
     assert sum(u.n_weights for u in groups) == n_total
     units = allocation_units(model, "layer")
     assert sum(u.n_weights for u in units) == n_total and len(units) == 3
-    table = measure_sensitivity(model, calib, units, (2, 8), SolverConfig(group_size=GS),
+    table = measure_sensitivity(model, calib, units, (2, 8), plain_solver(group_size=GS),
                                 methods=("output", "loss", "kl"), batch_size=4, progress=False)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -375,7 +376,7 @@ def test_already_quantized_input_is_refused(quantized, tmp_path):
     assert not (tmp_path / "again").exists()
     model = load_quantized(entries["uniform"][0])
     with pytest.raises(LayercutError, match="already quantized"):
-        quantize_model(model, None, SolverConfig(method="rtn", group_size=GS))
+        quantize_model(model, None, plain_solver(method="rtn", group_size=GS))
 
 
 def test_non_finite_hessian_fails_cleanly(tiny_tokenizer, tmp_path):
@@ -393,7 +394,7 @@ def test_non_finite_hessian_fails_cleanly(tiny_tokenizer, tmp_path):
 def test_fused_group_must_share_bits():
     model = small_model("llama")
     with pytest.raises(LayercutError, match="must share one bit width"):
-        quantize_model(model, None, SolverConfig(method="rtn", group_size=GS), {"model.layers.0.self_attn.q_proj": 8})
+        quantize_model(model, None, plain_solver(method="rtn", group_size=GS), {"model.layers.0.self_attn.q_proj": 8})
 
 
 @pytest.mark.gpu
@@ -401,7 +402,7 @@ def test_gpu_quantize_and_load_match_cpu(quantized, tiny_tokenizer):
     """device="cuda": blocks are solved on the GPU and go back home; the GPU-loaded checkpoint
     (CUDA kernels in fp16) gives the CPU loader's logits."""
     calib = _calib(tiny_tokenizer)
-    cfg = SolverConfig(bits=4, group_size=GS)
+    cfg = plain_solver(bits=4, group_size=GS)
     cpu = quantize_model(small_model(), calib, cfg, batch_size=4, progress=False)
     model = small_model()
     gpu = quantize_model(model, calib, cfg, batch_size=4, device="cuda", progress=False)

@@ -290,7 +290,7 @@ def test_flag_generation_from_a_new_config():
 
 
 def test_recipe_imports_no_stage_module():
-    """Each stage config lives beside its algorithm (stages.CONFIG_HOMES): reading a recipe loads no stage."""
+    """Each stage config lives beside its algorithm (stages.CONFIGS): reading a recipe loads no stage module."""
     import subprocess
     import sys
 

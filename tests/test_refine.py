@@ -19,8 +19,9 @@ from layercut.compress.quant.format.loader import load_quantized
 from layercut.compress.quant.search.allocate import allocate_bits, budget_bits
 from layercut.compress.quant.search.refine import Refiner, neighbours
 from layercut.compress.quant.search.sensitivity import allocation_units, expand_bits, measure_sensitivity
-from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+from layercut.compress.quant.solve.driver import quantize_model
 from layercut.compress.workflow.stages.quantize import run
+from tests.plain_solver import plain_solver
 from tests.test_mixed_precision import _unit, small_dir  # noqa: F401  (fixture)
 from tests.test_quantize import _calib, small_model
 
@@ -48,7 +49,7 @@ def test_probe_measures_the_neighbours_on_the_quantized_prefix(tiny_tokenizer):
     unit or candidate, the probe disturbed H or W, or the Hessian were not the operating point's."""
     model = small_model("llama", layers=2)
     units = allocation_units(model, "group")
-    cfg, calib = SolverConfig(group_size=32), _calib(tiny_tokenizer, n=4)
+    cfg, calib = plain_solver(group_size=32), _calib(tiny_tokenizer, n=4)
     sens = measure_sensitivity(model, calib, units, CANDS, cfg, batch_size=2, progress=False)
     table = [u.to_unit(sens.delta[u.name]) for u in units]
     alloc = allocate_bits(table, 4.0, candidates=CANDS)

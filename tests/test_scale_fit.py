@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
-from layercut.compress.core.errors import LayercutError
-from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+from layercut.compress.quant.solve.driver import quantize_model
 from layercut.compress.quant.solve.gptq import gptq_quantize, layer_loss
 from layercut.compress.quant.solve.scale_fit import refit_scales
+from tests.plain_solver import plain_solver
 from tests.test_scale_search import GS, _outlier_layer
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
@@ -85,13 +85,12 @@ def test_degenerate_rows_keep_their_scales():
 
 
 def test_options_are_checked():
-    with pytest.raises(LayercutError, match="refit_scales works with method gptq"):
-        SolverConfig(method="rtn", refit_scales=True).check()
     from pydantic import ValidationError
 
     from layercut.compress.quant.config import QuantizeConfig
+    from layercut.compress.quant.plan import solver_settings
 
-    assert QuantizeConfig(bits=4, refit_scales=True).core().refit_scales
+    assert solver_settings(QuantizeConfig(bits=4, refit_scales=True), GS).refit_scales
     with pytest.raises(ValidationError, match="refit_scales works with method gptq"):
         QuantizeConfig(bits=4, method="rtn", refit_scales=True)
 
@@ -107,7 +106,7 @@ def test_refit_checkpoint_loads_and_lowers_every_layers_loss(tmp_path, tiny_toke
     runs = {}
     for refit in (False, True):
         model = small_model("llama")
-        cfg = SolverConfig(bits=3, group_size=GS, act_order=True, static_groups=True, scale_search="hessian",
+        cfg = plain_solver(bits=3, group_size=GS, act_order=True, static_groups=True, scale_search="hessian",
                           refit_scales=refit)
         runs[refit] = (model, quantize_model(model, _calib(tiny_tokenizer), cfg, batch_size=4, progress=False))
     (_, plain), (model, res) = runs[False], runs[True]

@@ -7,10 +7,15 @@ import os
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from layercut.compress.core.errors import LayercutError
-from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+from layercut.compress.quant.config import QuantizeConfig
+from layercut.compress.quant.plan import solver_settings
+from layercut.compress.quant.solve.driver import quantize_model
 from layercut.compress.quant.solve.gptq import gptq_quantize, layer_loss, shrink_grid, shrink_pairs
+from layercut.compress.quant.solve.settings import SolverConfig
+from tests.plain_solver import plain_solver
 from tests.test_gptq import _layer
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
@@ -129,19 +134,14 @@ def test_bad_options_are_refused():
     W, _, H = _layer()
     with pytest.raises(LayercutError, match="scale_search"):
         gptq_quantize(W, H, 4, GS, scale_search="minmax")
-    for cfg, words in ((SolverConfig(scale_search="l2"), "scale search"), (SolverConfig(scale_min=0.0), "scale_min"),
-                       (SolverConfig(scale_steps=-1), "scale_steps"),
-                       (SolverConfig(method="rtn", scale_search="mse"), "method gptq")):
-        with pytest.raises(LayercutError, match=words):
-            cfg.check()
+    for bad, words in ((dict(scale_search="l2"), "scale_search"), (dict(scale_min=0.0), "scale_min"),
+                       (dict(scale_steps=-1), "scale_steps"), (dict(method="rtn", scale_search="mse"), "method gptq")):
+        with pytest.raises(ValidationError, match=words):  # the rules live in the options, checked once
+            plain_solver(**bad)
 
 
 def test_stage_config_passes_the_search_to_the_solver():
-    from pydantic import ValidationError
-
-    from layercut.compress.quant.config import QuantizeConfig
-
-    core = QuantizeConfig(bits=4, scale_search="hessian", scale_min=0.6, scale_steps=8).core()
+    core = solver_settings(QuantizeConfig(bits=4, scale_search="hessian", scale_min=0.6, scale_steps=8, group_size=GS))
     assert (core.scale_search, core.scale_min, core.scale_steps) == ("hessian", 0.6, 8)
     for bad in (dict(scale_search="clip"), dict(scale_min=1.2), dict(scale_steps=-2),
                 dict(method="rtn", scale_search="mse")):
@@ -165,7 +165,7 @@ def test_searched_checkpoint_loads_in_layercut_and_stock_transformers(tmp_path, 
     for kind in ("none", "hessian"):
         model = small_model("llama")
         res = quantize_model(model, _calib(tiny_tokenizer),
-                             SolverConfig(bits=4, group_size=GS, act_order=True, static_groups=True,
+                             plain_solver(bits=4, group_size=GS, act_order=True, static_groups=True,
                                           scale_search=kind, scale_min=0.5, scale_steps=10),
                              batch_size=4, progress=False)
         runs[kind] = (model, res)
@@ -207,7 +207,8 @@ def test_recipe_key_reaches_the_solver(tmp_path):
     path.write_text("version: 1\nmodel: bundled:smollm2-135m\nstages:\n  - quantize:\n      bits: 4\n"
                     "      scale_search: obs\n      scale_min: 0.8\n")
     stage = load_recipe(path).stages[0]
-    assert (stage.core().scale_search, stage.core().scale_min) == ("obs", 0.8)
+    core = solver_settings(stage, 128)
+    assert (core.scale_search, core.scale_min) == ("obs", 0.8)
 
 
 def test_separate_bounds_pairs():
@@ -255,16 +256,11 @@ def test_separate_bounds_of_p1_only_and_symmetric_are_joint_bit_for_bit():
 
 
 def test_separate_bounds_options_reach_the_solver_and_are_checked():
-    from pydantic import ValidationError
-
-    from layercut.compress.quant.config import QuantizeConfig
-
-    assert QuantizeConfig(bits=4, scale_bounds="separate").core().scale_bounds == "separate"
-    assert QuantizeConfig(bits=4).core().scale_bounds == "separate"  # the stage default
-    assert SolverConfig().scale_bounds == "joint"  # the core keeps the plain search
+    assert solver_settings(QuantizeConfig(bits=4, scale_bounds="joint"), GS).scale_bounds == "joint"
+    assert solver_settings(QuantizeConfig(bits=4), GS).scale_bounds == "separate"  # the stage default
+    with pytest.raises(TypeError):  # the solver has no defaults of its own: the options' are the only ones
+        SolverConfig(bits=4, group_size=GS)
     with pytest.raises(ValidationError):
         QuantizeConfig(bits=4, scale_bounds="apart")
-    with pytest.raises(LayercutError, match="scale bounds"):
-        SolverConfig(scale_bounds="apart").check()
     with pytest.raises(LayercutError, match="scale_bounds"):
         gptq_quantize(*_layer()[::2], 4, GS, scale_search="hessian", scale_bounds="apart")

@@ -17,8 +17,10 @@ import torch.nn.functional as F
 
 from layercut.calibrate.data import calibration_batch
 from layercut.compress.core.arch import arch_for
-from layercut.compress.quant.solve.driver import SolverConfig, linear_weight, quantize_model, set_weight
+from layercut.compress.quant.solve.driver import linear_weight, quantize_model, set_weight
+from layercut.compress.quant.solve.settings import SolverConfig
 from tests.conftest import tiny_config
+from tests.plain_solver import plain_solver
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +44,7 @@ def _model(layers: int = 3):
 
 
 def _cfg() -> SolverConfig:
-    return SolverConfig(bits=3, group_size=64, act_order=True, static_groups=True, damp=0.01, sequential="block")
+    return plain_solver(bits=3, group_size=64, act_order=True, static_groups=True, damp=0.01, sequential="block")
 
 
 def _fp(model, units):

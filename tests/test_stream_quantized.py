@@ -27,7 +27,8 @@ from layercut.compress.eval.stream_eval import evaluate_streamed
 from layercut.compress.io.lazy import LazyModel
 from layercut.compress.quant.format.checkpoint import save_quantized
 from layercut.compress.quant.format.qlinear import QuantLinear
-from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+from layercut.compress.quant.solve.driver import quantize_model
+from tests.plain_solver import plain_solver
 
 KW = dict(text="bundled:brown-calib", ctx=48, max_tokens=300, progress=False)
 
@@ -47,7 +48,7 @@ def _quantize(model, kind, tokenizer, folder):
     from layercut.calibrate.data import calibration_batch
 
     calib = calibration_batch(tokenizer, "bundled:brown-calib", samples=6, seq_len=32, seed=0)
-    cfg = SolverConfig(bits=4, group_size=32, act_order=kind == "act-order")
+    cfg = plain_solver(bits=4, group_size=32, act_order=kind == "act-order")
     plan = _mixed_plan(model) if kind == "mixed" else None
     res = quantize_model(model, calib, cfg, plan, batch_size=3, progress=False)
     save_quantized(model, tokenizer, res, folder)

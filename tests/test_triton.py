@@ -55,6 +55,7 @@ from gptq_codes import exact_sum_ok, random_codes, small_int_x
 from layercut.compress.core.errors import LayercutError
 from layercut.compress.kernels import ops
 from layercut.compress.quant.format.pack import pack_gptq
+from tests.plain_solver import plain_solver
 
 HAS_CUDA = torch.cuda.is_available()
 BITS = (2, 3, 4, 8)
@@ -379,7 +380,7 @@ def test_quantized_tiny_model_through_triton(tiny_tokenizer, tmp_path, monkeypat
     from layercut.compress.quant.format.checkpoint import save_quantized
     from layercut.compress.quant.format.loader import load_quantized
     from layercut.compress.quant.format.qlinear import QuantLinear
-    from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+    from layercut.compress.quant.solve.driver import quantize_model
     from tests.conftest import tiny_config
 
     cfg = tiny_config("llama")
@@ -388,7 +389,7 @@ def test_quantized_tiny_model_through_triton(tiny_tokenizer, tmp_path, monkeypat
     model = AutoModelForCausalLM.from_config(cfg).eval()
     bits = {n: (2, 3, 4, 8)[int(n.split(".")[2])] for _, _, n, _ in target_linears(model)}
     calib = calibration_batch(tiny_tokenizer, "bundled:brown-calib", samples=4, seq_len=32, seed=0)
-    qcfg = SolverConfig(bits=4, group_size=32, act_order=act_order)
+    qcfg = plain_solver(bits=4, group_size=32, act_order=act_order)
     res = quantize_model(model, calib, qcfg, bits, batch_size=4, progress=False)
     model_q = load_quantized(save_quantized(model, tiny_tokenizer, res, tmp_path / "q"), dtype=torch.float32)
     layers = [m for m in model_q.modules() if isinstance(m, QuantLinear)]
@@ -409,10 +410,10 @@ def test_smollm2_rtn_g64_through_triton(tmp_path, monkeypatch):
     from layercut.compress.io.models import load_model
     from layercut.compress.quant.format.checkpoint import save_quantized
     from layercut.compress.quant.format.loader import load_quantized
-    from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+    from layercut.compress.quant.solve.driver import quantize_model
 
     model, tok = load_model("bundled:smollm2-135m")
-    res = quantize_model(model, None, SolverConfig(bits=4, group_size=64, method="rtn"), progress=False)
+    res = quantize_model(model, None, plain_solver(bits=4, group_size=64, method="rtn"), progress=False)
     model_q = load_quantized(save_quantized(model, tok, res, tmp_path / "q"), dtype=torch.float32)
     del model
     ids = tok("The quick brown fox", return_tensors="pt").input_ids[:, :4]

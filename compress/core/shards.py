@@ -25,7 +25,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
+from layercut.compress.core.dtypes import SAFETENSORS_CODES
+from layercut.compress.core.errors import LayercutError
 from layercut.compress.core.units import parse_size
 
 SINGLE = "model.safetensors"
@@ -38,8 +41,6 @@ def read_index(folder: str | os.PathLike) -> dict[str, str] | None:
     The one reader of ``model.safetensors.index.json``; a file that is not an index is one
     clear LayercutError.
     """
-    from layercut.compress.core.errors import LayercutError
-
     index = Path(folder) / INDEX
     if not index.is_file():
         return None
@@ -55,10 +56,6 @@ def read_index(folder: str | os.PathLike) -> dict[str, str] | None:
 def weight_map(folder: str | os.PathLike) -> dict[str, str]:
     """Tensor name -> safetensors file name in ``folder``: the index when sharded, else every
     file's header. LayercutError when there are no weights or a header is corrupt."""
-    from safetensors import safe_open
-
-    from layercut.compress.core.errors import LayercutError
-
     folder = Path(folder)
     indexed = read_index(folder)
     if indexed is not None:
@@ -76,12 +73,9 @@ def weight_map(folder: str | os.PathLike) -> dict[str, str]:
     return out
 
 
-_ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL"}
-# safetensors' own order inside a file (save_file): dtypes in this order, then names; add_shard follows it
-_ST_ORDER = {dt: i for i, dt in enumerate((torch.int64, torch.float64, torch.float32, torch.int32, torch.bfloat16,
-                                           torch.float16, torch.int16, torch.int8, torch.uint8, torch.bool))}
+_ST_NAMES = {getattr(torch, name): code for name, code in SAFETENSORS_CODES.items()}
+# safetensors' own order inside a file (save_file): dtypes in the table's order, then names; add_shard follows it
+_ST_ORDER = {getattr(torch, name): i for i, name in enumerate(SAFETENSORS_CODES)}
 COPY_CHUNK = 64 * 2**20
 
 

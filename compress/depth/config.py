@@ -1,10 +1,13 @@
 """Options of ``layercut prune`` (a recipe's ``prune`` stage), beside the depth algorithms they drive.
 
-Torch-free: the recipe and the CLI build their parsers from it without loading a model."""
+Torch-free: the recipe and the CLI build their parsers from it without loading a model. The request
+checks that need no model (``parse_layers``, ``check_request``) live here too: the config runs them
+when it is built; the checks that need the model are :mod:`layercut.compress.depth.prune`'s."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -25,6 +28,64 @@ from layercut.compress.options import (
     parse_fraction,
     text_field_option,
 )
+
+WHATS = ("block", "attention", "mlp")
+REPLACES = ("none", "lstsq", "cosine")
+SELECT_FOR = {
+    "block": ("angular", "angular-all", "block-influence"),
+    "attention": ("attn-cosine", "gate-norm", "cosine"),
+    "mlp": ("mlp-cosine", "cosine"),
+}
+
+
+def parse_layers(text: str | Sequence[int] | None) -> list[int] | None:
+    """``"3,4,5"`` or ``"12-17,25"`` -> sorted distinct ints; None stays None."""
+    if text is None or not isinstance(text, str):
+        return None if text is None else sorted(set(int(i) for i in text))
+    out: set[int] = set()
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            if "-" in part[1:]:
+                lo, hi = part.split("-", 1)
+                if int(hi) < int(lo):
+                    raise ValueError(part)
+                out.update(range(int(lo), int(hi) + 1))
+            else:
+                out.add(int(part))
+    except ValueError as exc:
+        raise LayercutError(f"cannot parse --layers '{text}': use a list like 3,4,5 or 12-17,25") from exc
+    if not out:
+        raise LayercutError("--layers is empty")
+    return sorted(out)
+
+
+def check_request(
+    what: str, drop: int | None, select: str | None, layers: list[int] | None, replace: str, fuse: bool,
+    fuse_calibrate: bool = False,
+) -> None:
+    """Argument checks that need no model."""
+    if fuse_calibrate and not fuse:
+        raise LayercutError("--fuse-calibrate needs --fuse")
+    if what not in WHATS:
+        raise LayercutError(f"unknown --what '{what}' (choose from {', '.join(WHATS)})")
+    if replace not in REPLACES:
+        raise LayercutError(f"unknown --replace '{replace}' (choose from {', '.join(REPLACES)})")
+    if replace != "none" and fuse:
+        raise LayercutError("--replace and --fuse are alternatives: pick one")
+    if what != "block" and (replace != "none" or fuse):
+        raise LayercutError("--replace and --fuse apply to whole blocks (--what block)")
+    if (select is None) == (layers is None):
+        raise LayercutError("give exactly one of --select METHOD or --layers LIST")
+    if select is not None:
+        if select not in SELECT_FOR[what]:
+            raise LayercutError(f"unknown selection method '{select}' for --what {what} "
+                                f"(choose from {', '.join(SELECT_FOR[what])})")
+        if drop is None:
+            raise LayercutError("--select needs --drop N")
+    if drop is not None and drop < 1:
+        raise LayercutError(f"--drop must be at least 1 (got {drop})")
+    if layers is not None and drop is not None and drop != len(layers):
+        raise LayercutError(f"--drop {drop} disagrees with --layers ({len(layers)} layers)")
 
 
 class PruneConfig(StageConfig, TextOptions):
@@ -83,8 +144,6 @@ class PruneConfig(StageConfig, TextOptions):
 
     @model_validator(mode="after")
     def _request(self) -> PruneConfig:
-        from layercut.compress.depth.prune import check_request, parse_layers
-
         drop = self.drop if isinstance(self.drop, int) or self.drop is None else None if self.layers else 1
         try:
             picked = parse_layers(self.layers)

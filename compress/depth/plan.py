@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from layercut.compress.core.arch import arch_for, count_params
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -66,8 +68,6 @@ class PrunePlan:
 def removed_params(model: nn.Module, what: str, layers: list[int]) -> int:
     """Parameters the removal takes away: whole blocks, or their attention / MLP sublayers
     (a lazily loaded model's meta tensors count the same; as :func:`count_params` counts them)."""
-    from layercut.compress.core.arch import arch_for, count_params
-
     spec = arch_for(model)
     blocks = spec.layers_of(model)
     total = 0

@@ -6,7 +6,8 @@ Usage::
     report = prune("bundled:smollm2-135m", "out/cut8", drop=8, select="block-influence", replace="lstsq")
 
 The stage itself (config, validation, report) is :mod:`layercut.compress.workflow.stages.prune`; this
-module holds the checks and the transform core it calls, and imports no stage.
+module holds the checks that need the model and the transform core it calls, and imports no stage
+(the request checks that need no model are :mod:`layercut.compress.depth.config`'s).
 
     layercut prune bundled:smollm2-135m -o out/cut8 --drop 8 --select block-influence --replace lstsq
     layercut prune MODEL -o OUT --layers 12-17,25,26                       # explicit blocks
@@ -20,80 +21,22 @@ scores), the transform and its per-span fit statistics.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 from torch import nn
 
+from layercut.compress.core.arch import arch_for
 from layercut.compress.core.errors import LayercutError
+from layercut.compress.depth.blocks import check_block_drop_supported, drop_blocks, validate_layers
+from layercut.compress.depth.fuse import fuse_blocks
+from layercut.compress.depth.replace import check_replace_supported, linear_replace
+from layercut.compress.depth.sublayers import drop_sublayers, sublayer_family
+from layercut.compress.select.driver import LayerScores, compute_scores, select_blocks, select_sublayers
+from layercut.compress.select.gate_norm import gate_norm_from_model, gate_norm_scores
 
 PRUNE_VERSION = 1
-WHATS = ("block", "attention", "mlp")
-REPLACES = ("none", "lstsq", "cosine")
-SELECT_FOR = {
-    "block": ("angular", "angular-all", "block-influence"),
-    "attention": ("attn-cosine", "gate-norm", "cosine"),
-    "mlp": ("mlp-cosine", "cosine"),
-}
-
-
-def parse_layers(text: str | Sequence[int] | None) -> list[int] | None:
-    """``"3,4,5"`` or ``"12-17,25"`` -> sorted distinct ints; None stays None."""
-    if text is None or not isinstance(text, str):
-        return None if text is None else sorted(set(int(i) for i in text))
-    out: set[int] = set()
-    try:
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            if "-" in part[1:]:
-                lo, hi = part.split("-", 1)
-                if int(hi) < int(lo):
-                    raise ValueError(part)
-                out.update(range(int(lo), int(hi) + 1))
-            else:
-                out.add(int(part))
-    except ValueError as exc:
-        raise LayercutError(f"cannot parse --layers '{text}': use a list like 3,4,5 or 12-17,25") from exc
-    if not out:
-        raise LayercutError("--layers is empty")
-    return sorted(out)
-
-
-def check_request(
-    what: str, drop: int | None, select: str | None, layers: list[int] | None, replace: str, fuse: bool,
-    fuse_calibrate: bool = False,
-) -> None:
-    """Argument checks that need no model."""
-    if fuse_calibrate and not fuse:
-        raise LayercutError("--fuse-calibrate needs --fuse")
-    if what not in WHATS:
-        raise LayercutError(f"unknown --what '{what}' (choose from {', '.join(WHATS)})")
-    if replace not in REPLACES:
-        raise LayercutError(f"unknown --replace '{replace}' (choose from {', '.join(REPLACES)})")
-    if replace != "none" and fuse:
-        raise LayercutError("--replace and --fuse are alternatives: pick one")
-    if what != "block" and (replace != "none" or fuse):
-        raise LayercutError("--replace and --fuse apply to whole blocks (--what block)")
-    if (select is None) == (layers is None):
-        raise LayercutError("give exactly one of --select METHOD or --layers LIST")
-    if select is not None:
-        if select not in SELECT_FOR[what]:
-            raise LayercutError(f"unknown selection method '{select}' for --what {what} "
-                                f"(choose from {', '.join(SELECT_FOR[what])})")
-        if drop is None:
-            raise LayercutError("--select needs --drop N")
-    if drop is not None and drop < 1:
-        raise LayercutError(f"--drop must be at least 1 (got {drop})")
-    if layers is not None and drop is not None and drop != len(layers):
-        raise LayercutError(f"--drop {drop} disagrees with --layers ({len(layers)} layers)")
-
-
 def check_against_model(model: nn.Module, what: str, count: int, layers: list[int] | None, replace: str) -> int:
     """Checks that need the model; returns its layer count."""
-    from layercut.compress.core.arch import arch_for
-    from layercut.compress.depth.blocks import check_block_drop_supported, validate_layers
-    from layercut.compress.depth.replace import check_replace_supported
-    from layercut.compress.depth.sublayers import sublayer_family
-
     num_layers = len(arch_for(model).layers_of(model))
     if count >= num_layers:
         raise LayercutError(f"cannot remove {count} {what}{'s' if what == 'block' else ' sublayers'} of a "
@@ -134,11 +77,7 @@ def choose_layers(model, model_dir: Path | None, what: str, drop: int, select: s
     calibration) to select from instead of scoring again (``layercut plan`` scores once for
     all its depth cuts); refused by the selection where they cannot serve (an angular span).
     """
-    from layercut.compress.select import LayerScores, compute_scores, select_blocks, select_sublayers
-
     if select == "gate-norm":  # from the files when there are files, else from the weights in memory
-        from layercut.compress.select import gate_norm_from_model, gate_norm_scores
-
         scores = gate_norm_scores(model_dir) if model_dir is not None else gate_norm_from_model(model)
         source = model_dir if model_dir is not None else model
         return select_sublayers(source, drop, "gate-norm", "attention"), {"gate_norm": scores}
@@ -164,11 +103,6 @@ def transform_name(replace: str, fuse: bool, fuse_calibrate: bool) -> str:
 def prune_model(model: nn.Module, layers: list[int], what: str = "block", replace: str = "none", fuse: bool = False,
                 calib=None, batch_size: int = 8, progress: bool = True, **replace_kwargs) -> tuple[nn.Module, dict]:
     """Apply one depth transform; returns (model, details). Block transforms work in place."""
-    from layercut.compress.depth.blocks import drop_blocks
-    from layercut.compress.depth.fuse import fuse_blocks
-    from layercut.compress.depth.replace import linear_replace
-    from layercut.compress.depth.sublayers import drop_sublayers
-
     if what != "block":
         return drop_sublayers(model, layers, what), {}
     if replace != "none":

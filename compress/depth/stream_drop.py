@@ -23,9 +23,13 @@ from pathlib import Path
 
 import torch
 
+from layercut.compress.core.arch import get_submodule
 from layercut.compress.core.errors import LayercutError
-from layercut.compress.core.shards import INDEX
+from layercut.compress.core.save import atomic_dir
+from layercut.compress.core.shards import INDEX, ShardWriter
 from layercut.compress.depth.blocks import check_block_drop_supported, trim_config, validate_layers
+from layercut.compress.depth.cores import merge_map_into_bias, merge_map_into_down
+from layercut.compress.depth.replace import fit_linear_maps
 from layercut.compress.io.lazy import LazyModel
 
 WEIGHT_FILES = (".safetensors",)
@@ -41,8 +45,6 @@ def drop_blocks_streamed(
     trust_remote_code: bool = False,
 ) -> dict:
     """Write ``source`` without decoder blocks ``layers`` (old indices) to ``output``; return a summary."""
-    from layercut.compress.core.save import atomic_dir
-
     lazy = LazyModel(source, trust_remote_code=trust_remote_code)
     with atomic_dir(output, overwrite) as tmp:
         return write_without_blocks(lazy, tmp, layers, max_shard_size)
@@ -60,8 +62,6 @@ def write_without_blocks(
     ``edits`` maps parameter names (old numbering) to a function of the stored tensor that
     gives the tensor to write instead (e.g. a linear map folded into a kept block).
     """
-    from layercut.compress.core.shards import ShardWriter
-
     num = lazy.num_blocks
     drop = set(validate_layers(layers, num)) if layers else set()  # none: a plain streamed copy (export)
     if drop:
@@ -105,9 +105,6 @@ def write_without_blocks(
 
 def map_edits(lazy: LazyModel, fits: Sequence) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Fold each fitted span map into its anchor block's down projection, as tensor edits."""
-    from layercut.compress.core.arch import get_submodule
-    from layercut.compress.depth.cores import merge_map_into_bias, merge_map_into_down
-
     spec = lazy.spec
     edits: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     for fit in fits:
@@ -134,9 +131,6 @@ def replace_streamed(
     The maps are fitted over the capture driver on a lazily loaded model, then folded into
     each anchor block's down projection while the checkpoint is copied tensor by tensor.
     """
-    from layercut.compress.core.save import atomic_dir
-    from layercut.compress.depth.replace import fit_linear_maps
-
     lazy = LazyModel(source, trust_remote_code=trust_remote_code)
     fits = fit_linear_maps(lazy.model, layers, calib, **fit_kwargs)
     with atomic_dir(output, overwrite) as tmp:

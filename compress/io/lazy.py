@@ -31,6 +31,7 @@ Any module with a ``.qweight`` in the files takes that path, a quantized head in
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -38,37 +39,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from layercut.compress.core.arch import arch_for, get_submodule
+from layercut.compress.core.arch import arch_for, count_params, get_submodule, spec_for_model_type
+from layercut.compress.core.dtypes import parse_dtype, safetensors_dtype
 from layercut.compress.core.errors import LayercutError
-
-DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-          "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    """``auto``/``bf16``/``fp16``/``fp32`` (or a torch dtype) -> torch dtype; ``auto`` -> None."""
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise LayercutError(f"unknown dtype '{name}' (choose from auto, bf16, fp16, fp32)")
-    return DTYPES[name]
-
-
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
+from layercut.compress.core.hfconfig import is_quantized
+from layercut.compress.core.shards import weight_map
+from layercut.compress.io.models import check_weights
+from layercut.compress.quant.format.loader import quantize_skeleton
 
 
 class TensorIndex:
     """Which shard holds each tensor of a safetensors checkpoint; reads one tensor at a time."""
 
     def __init__(self, folder: str | os.PathLike) -> None:
-        from layercut.compress.io.models import check_weights
-
         self.folder = Path(folder)
         check_weights(self.folder)  # missing shards, unknown tensors, truncation: one clear error
-        from layercut.compress.core.shards import weight_map
-
         self.where = weight_map(self.folder)
         self._headers: dict[str, tuple[int, dict]] = {}
 
@@ -97,7 +82,7 @@ class TensorIndex:
             raise LayercutError(f"{self.folder / shard}: no tensor named {name}")
         info = header[name]
         start, end = info["data_offsets"]
-        dtype = _ST_DTYPES.get(info["dtype"])
+        dtype = safetensors_dtype(info["dtype"])
         if dtype is None:
             raise LayercutError(f"{self.folder / shard}: tensor {name} has unsupported dtype {info['dtype']}")
         buf = bytearray(end - start)
@@ -125,7 +110,7 @@ class TensorIndex:
     def dtype(self, skip: set[str] | frozenset[str] = frozenset()) -> torch.dtype:
         """The dtype of the checkpoint's floating tensors (its first one not in ``skip``), from the headers."""
         for name in self.where:
-            dtype = _ST_DTYPES.get(self.info(name)["dtype"])
+            dtype = safetensors_dtype(self.info(name)["dtype"])
             if name not in skip and dtype is not None and dtype.is_floating_point:
                 return dtype
         return torch.float32
@@ -137,17 +122,13 @@ class LazyModel:
     def __init__(self, path: str | os.PathLike, storage_dtype: torch.dtype | str | None = None,
                  compute_dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
                  allow_quantized: bool = False) -> None:
-        import copy
-
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
-
-        from layercut.compress.core.arch import count_params
 
         self.path = Path(path)
         self.weights = TensorIndex(self.path)
         self.config = AutoConfig.from_pretrained(self.path, trust_remote_code=trust_remote_code)
-        quantized = getattr(self.config, "quantization_config", None) is not None
+        quantized = is_quantized(self.config)
         if quantized and not allow_quantized:
             raise LayercutError(f"{self.path}: a quantized checkpoint cannot be streamed by this step")
         shapes = self.weights.shapes() if quantized else {}
@@ -166,8 +147,6 @@ class LazyModel:
         self.quantized: set[str] = set()  # module paths of the QuantLinear layers (GPTQ checkpoints)
         self.quantization_config: dict | None = None
         if quantized:
-            from layercut.compress.quant.format.loader import quantize_skeleton
-
             self.quantization_config, self.quantized = quantize_skeleton(self.model, self.config, shapes)
         self.spec = arch_for(self.model)
         self.num_blocks = len(self.spec.layers_of(self.model))
@@ -337,15 +316,11 @@ def stream_blocker(path: Path, quantized: bool = False) -> str | None:
 
     ``quantized``: the caller streams GPTQ checkpoints too (``LazyModel(..., allow_quantized=True)``).
     """
-    import json
-
-    from layercut.compress.core.arch import spec_for_model_type
-
     try:
         cfg = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
         return "its config.json is unreadable"
-    if cfg.get("quantization_config") and not quantized:
+    if is_quantized(cfg) and not quantized:
         return "it is a quantized checkpoint"
     if cfg.get("auto_map"):
         return "it ships its own modeling code"

@@ -29,8 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from layercut.compress.core.errors import LayercutError
+from layercut.compress.core.gguf_convert import check_supported, convert_gguf
+from layercut.compress.core.hfconfig import is_quantized
+from layercut.compress.core.shards import INDEX, SINGLE, read_index
+from layercut.compress.quant.format import loader  # layercut's own GPTQ loader
 
 
 @dataclass(frozen=True)
@@ -147,8 +152,6 @@ def _file_digest(path: Path) -> str:
 
 def has_weights(folder: Path) -> bool:
     """Whether ``folder`` holds a complete-looking checkpoint: config plus one shard or an index."""
-    from layercut.compress.core.shards import INDEX, SINGLE
-
     return (folder / "config.json").is_file() and (
         (folder / SINGLE).is_file() or (folder / INDEX).is_file()
     )
@@ -157,8 +160,6 @@ def has_weights(folder: Path) -> bool:
 def _converted_gguf(gguf: Path, target: Path, dtype: torch.dtype, source: BundledModel | None = None) -> Path:
     if has_weights(target):
         return target
-    from layercut.compress.core.gguf_convert import check_supported, convert_gguf
-
     check_supported(gguf)
     print(f"layercut: converting {gguf.name} to a dense {dtype} checkpoint in {target} (once)", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -223,10 +224,8 @@ def load_model(
     archs = getattr(config, "architectures", None) or []
     if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
         raise LayercutError(f"{path} is not a causal LM (architectures: {', '.join(archs)})")
-    if getattr(config, "quantization_config", None) is not None:
-        from layercut.compress.quant.format.loader import load_quantized  # layercut's own GPTQ loader
-
-        model = load_quantized(path, dtype=dtype, device=device)
+    if is_quantized(config):
+        model = loader.load_quantized(path, dtype=dtype, device=device)
     else:
         check_weights(path)
         try:
@@ -244,11 +243,7 @@ def load_model(
 
 def check_weights(path: Path) -> None:
     """Refuse pickles, corrupt or truncated safetensors and broken shard indexes before loading."""
-    from safetensors import safe_open
-
     files = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
-    from layercut.compress.core.shards import INDEX
-
     index_file = path / INDEX
     if not files and not index_file.is_file():
         pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
@@ -263,8 +258,6 @@ def check_weights(path: Path) -> None:
                 keys[file.name] = set(fh.keys())
         except Exception as exc:
             raise LayercutError(f"{file}: corrupt safetensors file ({exc})") from exc
-    from layercut.compress.core.shards import read_index
-
     weight_map = read_index(path)
     if weight_map is not None:
         for shard in sorted(set(weight_map.values())):

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from layercut.compress.core.errors import LayercutError
+from layercut.compress.kernels import build  # nvcc lookup, the library's first-use build
 from layercut.compress.quant.format.pack import dequantize_gptq, packed_rows
 from layercut.compress.quant.format.result import SUPPORTED_BITS
 
@@ -69,9 +70,7 @@ def _cuda_library_available() -> bool:
     """Whether the CUDA C library can be loaded or built here (no build, no CUDA touched)."""
     if os.environ.get("LAYERCUT_KERNEL_LIB"):
         return True
-    from layercut.compress.kernels.build import find_nvcc
-
-    return find_nvcc() is not None
+    return build.find_nvcc() is not None
 
 
 @dataclass(frozen=True)
@@ -368,9 +367,7 @@ def _run(
     if spec is TRITON:
         y = triton_module().gptq_matmul(x2, qweight, qzeros, scales, g_idx, bits, group_size)
         return y.reshape(*x.shape[:-1], out_features)
-    from layercut.compress.kernels.build import load_library  # first use builds/loads the library
-
-    lib = load_library()
+    lib = build.load_library()  # first use builds/loads the library
     # the kernels read int32 words, fp16 scales and int32 g_idx (the checkpoint dtypes), with
     # 128-bit loads of qweight and 64-bit loads of scales: views at odd offsets are copied
     tensors = [

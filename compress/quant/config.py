@@ -6,9 +6,12 @@ Usage::
 
     from layercut.compress.quant.config import QuantizeConfig
     config = QuantizeConfig(avg_bits=3.5, candidates="3g64,4ch,8")
-    config.core()                       # the solver's SolverConfig (compress/quant/solve/driver.py)
+    plan = build_plan(config, model)    # compress/quant/plan.py: group size resolved, per-linear pairs, solver
 
-Importing it does not import torch (``layercut --help`` and reading a recipe stay fast).
+The options, their defaults and their rules live here only: the solver's
+:class:`~layercut.compress.quant.solve.settings.SolverConfig` has no defaults and checks nothing, and
+the plan (:func:`layercut.compress.quant.plan.solver_settings`) is the one place that builds it
+from a config. Importing it does not import torch (``layercut --help`` and reading a recipe stay fast).
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ from layercut.compress.options import (
     text_field_option,
 )
 from layercut.compress.quant.format.result import SUPPORTED_BITS
+from layercut.compress.quant.search.candidates import DEFAULT_CANDIDATES, parse_candidate
+
+# Where the group size is still unresolved (None: chosen per model by the plan), bare candidate
+# bits and a bare head width are read at this size; only the checks here see it, the plan passes
+# the resolved size.
+UNRESOLVED_GROUP_SIZE = 128
 
 
 def parse_candidates(value: str | list, group_size: int) -> list[tuple[int, int]]:
@@ -41,8 +50,6 @@ def parse_candidates(value: str | list, group_size: int) -> list[tuple[int, int]
     >>> parse_candidates("3g64, 4ch,8", 64)
     [(3, 64), (4, -1), (8, 64)]
     """
-    from layercut.compress.quant.search.allocate import parse_candidate
-
     items = value if isinstance(value, list) else [x for x in str(value).split(",") if x.strip()]
     return list(dict.fromkeys(parse_candidate(x, group_size) for x in items))
 
@@ -221,14 +228,12 @@ class QuantizeConfig(StageConfig, TextOptions):
                 raise ValueError("quantize_head works with uniform bits; with avg_bits it is not supported yet")
         return self
 
-    def head_pair(self) -> tuple[int, int] | None:
-        """The head's (bits, group size) from ``quantize_head``; bare bits take the group size
-        (an unresolved default reads as 128 here, as in :meth:`core`)."""
-        from layercut.compress.quant.search.allocate import parse_candidate
-
+    def head_pair(self, group_size: int | None = None) -> tuple[int, int] | None:
+        """The head's (bits, group size) from ``quantize_head``; bare bits take ``group_size`` (the
+        resolved one, which the plan passes), else this config's own."""
         if self.quantize_head is None:
             return None
-        return parse_candidate(self.quantize_head, 128 if self.group_size is None else self.group_size)
+        return parse_candidate(self.quantize_head, self._bare_group_size(group_size))
 
     def distributed_blocker(self) -> str | None:
         """Why these options cannot run data-parallel under torchrun, or None when they can
@@ -245,28 +250,14 @@ class QuantizeConfig(StageConfig, TextOptions):
     def candidate_list(self) -> list[int]:
         """The candidate bit widths (of the listed pairs, or of the default set); kept for callers of
         the bits-only form — the allocation works on :meth:`candidate_pairs`."""
-        from layercut.compress.quant.search.allocate import DEFAULT_CANDIDATES
-
         return sorted({b for b, _ in (self.candidate_pairs() or DEFAULT_CANDIDATES)})
 
-    def candidate_pairs(self) -> list[tuple[int, int]] | None:
-        """The listed (bits, group size) pairs; None = the default set (resolved per model)."""
-        gs = 128 if self.group_size is None else self.group_size  # (bare widths are re-read once resolved)
-        return None if self.candidates is None else parse_candidates(self.candidates, gs)
+    def candidate_pairs(self, group_size: int | None = None) -> list[tuple[int, int]] | None:
+        """The listed (bits, group size) pairs, bare widths at ``group_size`` (the resolved one,
+        which the plan passes), else at this config's own; None = the default set (resolved per model)."""
+        return None if self.candidates is None else parse_candidates(self.candidates, self._bare_group_size(group_size))
 
-    def core(self):
-        """The solver's settings (:class:`layercut.compress.quant.solve.driver.SolverConfig`); an unresolved
-        default group size reads as 128 here, which :func:`apply` replaces by the model's own."""
-        from layercut.compress.quant.solve.block_tune import BlockTune
-        from layercut.compress.quant.solve.driver import SolverConfig
-
-        gs = 128 if self.group_size is None else self.group_size
-        tune = BlockTune(steps=self.block_tune_steps, batch=self.block_tune_batch, lr=self.block_tune_lr, scale_lr=self.block_tune_scale_lr,
-                         target=self.block_tune_target, loss=self.block_tune_loss, seed=self.seed) if self.block_tune else None
-        return SolverConfig(bits=self.bits or 4, group_size=gs, sym=self.sym,
-                            act_order=self.act_order, static_groups=self.static_groups, group_aware=self.group_aware,
-                            method=self.method, damp=self.damp, sequential=self.sequential,
-                            solve_dtype=self.solve_dtype,
-                            scale_search=self.scale_search if self.method == "gptq" else "none",
-                            scale_min=self.scale_min, scale_steps=self.scale_steps, scale_bounds=self.scale_bounds,
-                            refit_scales=self.refit_scales and self.method == "gptq", tune=tune)
+    def _bare_group_size(self, group_size: int | None) -> int:
+        if group_size is not None:
+            return group_size
+        return UNRESOLVED_GROUP_SIZE if self.group_size is None else self.group_size

@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator
 
 from layercut.calibrate import DEFAULT_CALIB_TEXT
+from layercut.compress.core.errors import closest
 from layercut.compress.options import (
     STREAM_DTYPE_HELP,
     TEXT_SPEC_HELP,
@@ -66,8 +67,6 @@ def parse_methods(value: str | list[str]) -> list[str]:
     >>> parse_methods("block-influence, angular")
     ['block-influence', 'angular']
     """
-    from layercut.compress.core.errors import closest
-
     names = [m.strip() for m in (value.split(",") if isinstance(value, str) else value) if m.strip()]
     if "all" in names:
         # swap-kl needs full-model forwards per adjacent pair (tens of CPU-minutes on a

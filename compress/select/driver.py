@@ -35,8 +35,11 @@ from torch import nn
 from layercut.calibrate.capture import BlockRun, run_blocks
 from layercut.calibrate.data import CalibSet
 from layercut.calibrate.stats import last_tokens
+from layercut.compress.core.arch import arch_for
 from layercut.compress.core.errors import LayercutError
 from layercut.compress.select.cores import angle, best_span, cosine_sum, lowest, ranking, span_distances
+from layercut.compress.select.gate_norm import gate_norm_from_model, gate_norm_scores
+from layercut.compress.select.swap_kl import swap_kl_scores
 
 DATA_METHODS = ("angular", "angular-all", "block-influence", "attn-cosine", "mlp-cosine")
 BLOCK_METHODS = ("angular", "angular-all", "block-influence")
@@ -175,8 +178,6 @@ class ScoreCollector:
 
 
 def _num_layers(model: nn.Module) -> int:
-    from layercut.compress.core.arch import arch_for
-
     return len(arch_for(model).layers_of(model))
 
 
@@ -217,12 +218,8 @@ def compute_scores(
         run_blocks(model, calib, [collector], batch_size=batch_size, progress=progress, desc="score")
         scores = collector.result(calib.num_samples)
     if "gate-norm" in methods:
-        from layercut.compress.select.gate_norm import gate_norm_from_model
-
         scores.gate_norm = gate_norm_from_model(model)
     if "swap-kl" in methods:
-        from layercut.compress.select.swap_kl import swap_kl_scores
-
         scores.swap_kl = swap_kl_scores(model, calib, progress=progress)
     scores.meta["methods"] = methods
     return scores
@@ -303,8 +300,6 @@ def select_sublayers(
 
 
 def _gate_norm_of(source: LayerScores | nn.Module | str | Path) -> list[float]:
-    from layercut.compress.select.gate_norm import gate_norm_from_model, gate_norm_scores
-
     if isinstance(source, LayerScores):
         if source.gate_norm is None:
             raise LayercutError("no gate-norm scores: compute them with method gate-norm")

@@ -32,6 +32,8 @@ from torch import nn
 
 from layercut.compress.core.arch import ArchSpec, arch_for, get_submodule, spec_for_model_type
 from layercut.compress.core.errors import LayercutError
+from layercut.compress.core.shards import weight_map
+from layercut.compress.io.models import resolve_model
 from layercut.compress.select.cores import gate_norm_qk, lowest, split_fused_qkv
 
 FUSED_LAYOUTS = {"phi3": "stacked", "gpt_neox": "neox", "gpt2": "conv1d"}  # by ArchSpec.family
@@ -62,8 +64,6 @@ def _spec_from_config(config: dict) -> ArchSpec:
 
 def _weight_map(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file (index when sharded, else every header)."""
-    from layercut.compress.core.shards import weight_map
-
     return {name: model_dir / file for name, file in weight_map(model_dir).items()}
 
 
@@ -105,8 +105,6 @@ class _Reader:
 
 def iter_qk(model_dir: str | Path) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, int]]:
     """(w_q [H·d_h, d], w_k [H_kv·d_h, d], H, H_kv) per layer, float32, read one layer ahead."""
-    from layercut.compress.io.models import resolve_model
-
     path = resolve_model(model_dir)
     config = json.loads((path / "config.json").read_text())
     spec = _spec_from_config(config)

@@ -7,10 +7,11 @@ Usage::
     layercut -v run recipes/smollm2-demo.yaml -o runs/demo
 
 The stage commands are generated from the stage configs (``compress/workflow/commands/stage.py``);
-``run`` and ``push`` are in ``compress/workflow/commands/``. A :class:`~layercut.compress.core.errors.LayercutError`
+``run``, ``plan`` and ``push`` are in ``compress/workflow/commands/``; what every command does is
+in ``compress/workflow/commands/handlers.py``. A :class:`~layercut.compress.core.errors.LayercutError`
 or a bad flag becomes one ``error: ...`` line on stderr and a non-zero exit code (2 for
 bad input); ``--json`` prints one JSON object as the last line of stdout. Torch is
-imported only when a command runs, so ``--help`` is fast.
+imported only when a command runs (the handlers load then), so ``--help`` is fast.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import os
 import re
 import sys
 
-from layercut.compress.core.errors import LayercutError
+from layercut.compress.core.errors import LayercutError, closest
+from layercut.compress.workflow.commands import plan, push, run, stage
 
 # in the order `layercut --help` lists them
 COMMANDS = ("run", "plan", "score", "prune", "heal", "quantize", "eval", "export", "push")
@@ -36,8 +38,6 @@ class Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line as one ``error:`` line (exit 2), with a suggestion."""
 
     def error(self, message: str):  # noqa: D401 - argparse's hook
-        from layercut.compress.core.errors import closest
-
         bad = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
         if bad:
             choices = re.findall(r"'([^']*)'", bad.group(2)) or [c.strip() for c in bad.group(2).split(",")]
@@ -59,8 +59,6 @@ def version() -> str:
 
 
 def build_parser() -> Parser:
-    from layercut.compress.workflow.commands import plan, push, run, stage
-
     parser = Parser(prog="layercut", description="Post-training compression for causal language models.",
                     epilog="examples:\n  layercut run recipes/smollm2-demo.yaml -o runs/demo\n"
                            "  layercut quantize bundled:smollm2-135m -o q4 --bits 4\n\n"
@@ -82,8 +80,6 @@ def build_parser() -> Parser:
 
 def parse(parser: Parser, argv: list[str] | None) -> argparse.Namespace:
     """Parse; an unknown flag is one error line naming the closest flag of that command."""
-    from layercut.compress.core.errors import closest
-
     args, extra = parser.parse_known_args(argv)
     if extra:
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
@@ -140,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     handler, level = _logging(args.verbose, args.quiet)
     try:
-        result = args.handler(args)
+        # what the command does, and torch with it, loads only now: never for --help
+        from layercut.compress.workflow.commands.handlers import handle
+
+        result = handle(args)
     except LayercutError as exc:
         if not getattr(exc, "quiet", False):  # quiet: a torchrun rank other than 0 (rank 0 prints it)
             print(f"error: {exc}", file=sys.stderr)

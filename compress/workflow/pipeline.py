@@ -40,12 +40,16 @@ from pathlib import Path
 
 import torch
 
+from layercut.compress.core.devices import resolve_device
 from layercut.compress.core.errors import GateFailed, LayercutError
 from layercut.compress.core.resources import PeakRSS
 from layercut.compress.core.save import atomic_dir, check_output_dir
+from layercut.compress.io.models import resolve_model
+from layercut.compress.workflow.planner.search import plan
 from layercut.compress.workflow.recipe import Recipe
 from layercut.compress.workflow.stages import stage_module
 from layercut.compress.workflow.stages.base import VOLATILE, RunEnv, quality_report
+from layercut.export.card import write_card
 from layercut.export.export import probe_writable
 
 log = logging.getLogger("layercut.run")
@@ -124,6 +128,8 @@ def _check_resumable(previous: Recipe, recipe: Recipe, out: Path) -> None:
         (name, _), = stage.items()
         if not (out / stage_dir_name(i, name) / "stage.json").is_file():
             continue
+        if name == "quantize" and i <= len(recipe.stages):  # the plan it ran vs the resumed options' plan
+            stage_module(name).check_resume(recipe.stages[i - 1], out / stage_dir_name(i, name) / "model")
         if i > len(new["stages"]) or new["stages"][i - 1] != stage:
             changed = _first_difference({"stages": old["stages"][:i]}, {"stages": new["stages"][:i]})
             raise LayercutError(f"--resume: stage {i} ({name}) already ran with other settings ({changed}); "
@@ -150,8 +156,6 @@ def run_recipe(recipe: Recipe, out: str | os.PathLike, resume: bool = False, pro
 
     Raises :class:`GateFailed` (after writing everything) when an eval stage's gate fails.
     """
-    from layercut.compress.io.models import resolve_model
-
     out = Path(out).expanduser()
     if out.exists() and not resume:
         raise LayercutError(f"output {out} already exists (pass --resume to continue that run, or remove it)")
@@ -161,7 +165,6 @@ def run_recipe(recipe: Recipe, out: str | os.PathLike, resume: bool = False, pro
     elif not out.is_dir():
         raise LayercutError(f"output {out} exists and is not a directory")
     source = resolve_model(recipe.model)  # a bad model spec fails before OUT is created
-    from layercut.compress.core.devices import resolve_device
 
     planned = None
     if recipe.target is not None:  # plan the stages first (a bad target: one error, nothing written)
@@ -190,8 +193,6 @@ def _plan_stages(recipe: Recipe, out: Path, progress: bool) -> tuple[Recipe, Pat
     A resumed run reuses ``OUT/00-plan``; otherwise the plan is written beside OUT and moved in
     once the run directory exists.
     """
-    from layercut.compress.workflow.planner.search import plan
-
     folder = out / PLAN_DIR
     if not (folder / "recipe.yaml").is_file():
         target = recipe.target
@@ -359,7 +360,6 @@ def _finalize_export(recipe: Recipe, out: Path, source: Path, report: dict) -> N
     export = next((r for r in report["stages"] if r["stage"] == "export"), None)
     if export is None:
         return
-    from layercut.export.card import write_card
 
     folder = out / export["checkpoint"]
     cfg = recipe.stages[export["index"] - 1]

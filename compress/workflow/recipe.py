@@ -35,7 +35,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from layercut.compress.core.errors import BOUNDS, LayercutError, unknown_key_message
+from layercut.compress.core.errors import BOUNDS, LayercutError, closest, unknown_key_message
 from layercut.compress.depth.config import PruneConfig
 from layercut.compress.eval.config import EvalConfig
 from layercut.compress.options import StageConfig
@@ -174,8 +174,6 @@ class Recipe(StageConfig):
 
 
 def _unknown_stage(name: Any) -> str:
-    from layercut.compress.core.errors import closest
-
     near = closest(str(name), list(STAGE_TYPES))
     return f"unknown stage '{name}'" + (f", did you mean '{near}'?" if near else "") + \
         f" (stages: {', '.join(STAGE_TYPES)})"

@@ -4,8 +4,19 @@
 Usage::
 
     from layercut.compress.quant.format.checkpoint import save_quantized
-    result = quantize_model(model, calib, SolverConfig(bits=4, group_size=64))
+    cfg = build_plan(QuantizeConfig(bits=4, group_size=64), model).solver   # compress/quant/plan.py
+    result = quantize_model(model, calib, cfg)
     save_quantized(model, tokenizer, result, "out/q4")
+
+    # or streamed, one decoder block in memory (what `layercut quantize` does on a checkpoint):
+    writer = ShardWriter(tmp, "2GB", always_index=True)
+    result = quantize_model(lazy.model, calib, cfg, after_block=write_block_fn(lazy, writer, torch.float16))
+    write_rest(lazy, result, writer, tmp, torch.float16)
+
+The one GPTQ writer: both paths store what :func:`stored_tensors` and :func:`packed_tensors`
+decide and write their configs with :func:`write_config_files` (the whole-model shards are laid
+out as safetensors' ``save_file`` lays out a file, the streamed ones in the order the tensors
+arrive; the tensors, config.json and quantize_config.json are the same, tested).
 
 Layout: every quantized linear ``NAME`` is stored as ``NAME.qweight`` / ``.qzeros`` /
 ``.scales`` (fp16) / ``.g_idx`` (+ ``.bias`` in fp16), exactly as
@@ -45,17 +56,20 @@ import copy
 import json
 import os
 import re
+import shutil
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from layercut.compress.core.arch import arch_for, target_linears
+from layercut.compress.core.arch import ArchSpec, arch_for, target_linears
 from layercut.compress.core.errors import LayercutError
 from layercut.compress.core.save import atomic_dir
-from layercut.compress.core.shards import ShardWriter
+from layercut.compress.core.shards import INDEX, ShardWriter
 from layercut.compress.quant.format.result import QuantizeResult
 
 # meta.quantizer: who wrote it, and whose v1 packing convention it follows. GPTQModel refuses
@@ -63,11 +77,11 @@ from layercut.compress.quant.format.result import QuantizeResult
 # points were stored with its (post-0.9) offset handling; compress/quant/format/pack.py is bit-exact
 # with GPTQModel 7.6.0's packer (tests/test_pack.py), so the entry is declared.
 PACKING_COMPAT = "gptqmodel:7.6.0"
+# files of a source checkpoint that a streamed write does not copy (it writes its own)
+SKIP_FILES = {"config.json", INDEX, "quantize_config.json"}
 
 
 def _quantizer_tags() -> list[str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         own = f"layercut:{version('layercut')}"
     except PackageNotFoundError:
@@ -206,26 +220,134 @@ def head_override(result: QuantizeResult, base: tuple[int, int]) -> dict:
     return {f"+:{re.escape(result.head)}$": {"bits": q.bits, "group_size": q.group_size}}
 
 
-def quantized_state_dict(model: nn.Module, result: QuantizeResult, dtype: torch.dtype) -> dict[str, Tensor]:
-    """Tensors to store: packed GPTQ tensors for quantized linears, the rest in ``dtype``."""
-    quantized = set(result.layers)
-    tied: set[str] = set()
-    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "get_expanded_tied_weights_keys"):
-        tied = set(model.get_expanded_tied_weights_keys(all_submodels=True))
-    state: dict[str, Tensor] = {}
-    for key, value in model.state_dict().items():
-        module, _, leaf = key.rpartition(".")
-        if key in tied:
-            continue
+# ---------------------------------------------------------------------------------- the writer
+# One set of rules for both paths: the whole model in memory (save_quantized / write_quantized_into)
+# and one decoder block at a time during a streamed quantize (write_block_fn per block, then
+# write_rest). stored_tensors decides what a dense tensor becomes, packed_tensors names the packed
+# ones, checked_quantization_config checks and builds the config, write_config_files writes
+# config.json, quantize_config.json and the side files; every tensor goes through ShardWriter.
+
+
+class LazySource(Protocol):
+    """The lazily loaded checkpoint the streamed writer (and the streamed dequantizer,
+    :func:`layercut.compress.quant.format.loader.write_dequantized`) reads: the interface of
+    :class:`layercut.compress.io.lazy.LazyModel`, a layer above this one (so not imported here)."""
+
+    path: Path
+    config: Any
+    model: nn.Module
+    spec: ArchSpec
+    weights: Any  # a TensorIndex: ``.get(name)`` reads one stored tensor into its own buffer
+    names: Mapping[str, str]  # model parameter name -> checkpoint tensor name
+    tied: Mapping[str, str]  # tied aliases the checkpoint does not store
+    quantized: set[str]  # module paths of QuantLinear layers (a GPTQ source)
+
+    def materialize(self, path: str, dtype: torch.dtype | None = None) -> nn.Module: ...
+
+    def release(self, path: str) -> None: ...
+
+
+def stored_tensors(names: Iterable[str], read: Callable[[str], Tensor], quantized: Container[str],
+                   dtype: torch.dtype, owned: bool = False) -> Iterator[tuple[str, Tensor]]:
+    """The stored form of the dense tensors ``names`` (``read(name)`` gives each, read only when it
+    is stored): a quantized module's weight is dropped (its packed tensors replace it) and its bias
+    stored in fp16; every other floating tensor in ``dtype``, the rest as they are. ``owned``:
+    ``read`` returns fresh buffers, converted in place where the element size allows
+    (:func:`cast_in_place`). Yields one tensor at a time."""
+    for name in names:
+        module, _, leaf = name.rpartition(".")
         if module in quantized:
             if leaf == "bias":
-                state[key] = value.detach().to(torch.float16).clone()
+                yield name, read(name).to(torch.float16)
             continue  # the dense weight is replaced by the packed tensors
-        value = value.detach()
-        state[key] = (value.to(dtype) if value.is_floating_point() else value).contiguous().clone()
-    for name, ql in result.layers.items():
+        tensor = read(name)
+        if tensor.is_floating_point():
+            tensor = cast_in_place(tensor, dtype) if owned else tensor.to(dtype)
+        yield name, tensor
+        del tensor  # released before the next one is read
+
+
+def packed_tensors(result: QuantizeResult, names: Iterable[str], release: bool = False) -> Iterator[tuple[str, Tensor]]:
+    """``NAME.qweight`` / ``.qzeros`` / ``.scales`` / ``.g_idx`` of the quantized linears ``names``, as
+    packed; ``release``: drop each layer's packed tensors once yielded (the figures stay)."""
+    for name in names:
+        ql = result.layers[name]
         for leaf, t in ql.tensors.items():
-            state[f"{name}.{leaf}"] = t.detach().cpu().contiguous().clone()  # safetensors refuses shared storage
+            yield f"{name}.{leaf}", t
+        if release:
+            ql.tensors = {}  # written: keep only the figures
+
+
+def _add_all(writer: ShardWriter, tensors: Iterable[tuple[str, Tensor]]) -> None:
+    for name, tensor in tensors:
+        writer.add(name, tensor)
+        del tensor  # one tensor alive at a time
+
+
+def cast_in_place(tensor: torch.Tensor, dtype: torch.dtype, chunk: int = 1 << 22) -> torch.Tensor:
+    """``tensor.to(dtype)``, converted inside ``tensor``'s own buffer when both dtypes have one
+    element size (bf16 ↔ fp16: a 128k-vocabulary embedding is not held twice); ``tensor``
+    (contiguous, owned by the caller) is garbage afterwards. Other dtypes: a plain ``.to``."""
+    if tensor.dtype == dtype or tensor.element_size() != torch.empty((), dtype=dtype).element_size() \
+            or not tensor.is_contiguous():
+        return tensor.to(dtype)
+    src, dst = tensor.reshape(-1), tensor.reshape(-1).view(dtype)
+    for i in range(0, src.numel(), chunk):  # each slice is read whole before it is overwritten
+        dst[i : i + chunk] = src[i : i + chunk].to(dtype)
+    return dst.view(tensor.shape)
+
+
+def checked_quantization_config(model: nn.Module, result: QuantizeResult) -> dict:
+    """:func:`quantization_config`, after checking that every target linear was quantized."""
+    missing = [n for _, _, n, _ in target_linears(model) if n not in result.layers]
+    if missing:
+        raise LayercutError(f"quantize: {len(missing)} linears were not quantized (e.g. {missing[0]})")
+    return quantization_config(model, result)
+
+
+def write_config_files(folder: Path, config, qc: dict, dtype: torch.dtype, *, tokenizer=None,
+                       generation_config=None, copy_from: Path | None = None,
+                       extra_files: Mapping[str, str | bytes] | None = None) -> None:
+    """``config.json`` (a copy of ``config`` with ``qc`` as its ``quantization_config`` and ``dtype``),
+    ``quantize_config.json``, then the side files: ``generation_config`` and ``tokenizer`` saved, or
+    (``copy_from``, a source checkpoint) every file there but its weights, index and configs;
+    ``extra_files`` (name -> content) last."""
+    config = copy.deepcopy(config)
+    config.quantization_config = qc
+    config.dtype = dtype
+    config.save_pretrained(folder)
+    (folder / "quantize_config.json").write_text(json.dumps(qc, indent=2) + "\n")
+    if generation_config is not None:
+        generation_config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    if copy_from is not None:
+        for file in copy_from.iterdir():  # tokenizer, generation config, chat template, …
+            if file.is_file() and file.name not in SKIP_FILES and file.suffix != ".safetensors":
+                shutil.copy2(file, folder / file.name)
+    for name, content in (extra_files or {}).items():
+        (folder / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+
+
+# ---------------------------------------------------------------- the whole model in memory
+
+
+def _tied_keys(model: nn.Module) -> set[str]:
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "get_expanded_tied_weights_keys"):
+        return set(model.get_expanded_tied_weights_keys(all_submodels=True))
+    return set()
+
+
+def quantized_state_dict(model: nn.Module, result: QuantizeResult, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Tensors to store: packed GPTQ tensors for quantized linears, the rest in ``dtype``; in the
+    model's state-dict order, the packed tensors last (the order the shards are split in)."""
+    tied = _tied_keys(model)
+    params = model.state_dict()
+    names = [k for k in params if k not in tied]
+    state = {k: t.contiguous().clone()
+             for k, t in stored_tensors(names, lambda k: params[k].detach(), result.layers, dtype)}
+    for key, t in packed_tensors(result, result.layers):
+        state[key] = t.detach().cpu().contiguous().clone()  # safetensors refuses shared storage
     return state
 
 
@@ -241,10 +363,7 @@ def write_quantized_into(
     """Non-atomic part of :func:`save_quantized`; returns the ``quantization_config``."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    missing = [n for _, _, n, _ in target_linears(model) if n not in result.layers]
-    if missing:
-        raise LayercutError(f"quantize: {len(missing)} linears were not quantized (e.g. {missing[0]})")
-    qc = quantization_config(model, result)
+    qc = checked_quantization_config(model, result)
     state = quantized_state_dict(model, result, dtype)
     split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
@@ -257,19 +376,8 @@ def write_quantized_into(
     except BaseException:
         writer.abort()
         raise
-
-    config = copy.deepcopy(model.config)
-    config.quantization_config = qc
-    config.dtype = dtype
-    config.save_pretrained(folder)
-    (folder / "quantize_config.json").write_text(json.dumps(qc, indent=2) + "\n")
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        gen.save_pretrained(folder)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-    for name, content in (extra_files or {}).items():
-        (folder / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    write_config_files(folder, model.config, qc, dtype, tokenizer=tokenizer,
+                       generation_config=getattr(model, "generation_config", None), extra_files=extra_files)
     return qc
 
 
@@ -288,3 +396,51 @@ def save_quantized(
     with atomic_dir(path, overwrite) as tmp:
         write_quantized_into(model, tokenizer, result, tmp, dtype, max_shard_size, extra_files)
     return Path(path)
+
+
+# ------------------------------------------------------------ streamed: one block in memory
+# The quantize driver's ``after_block`` callback writes a block's packed tensors (and its unquantized
+# ones, in ``save_dtype``) to the shard writer before the block is released; write_rest copies the
+# embeddings, final norm and head from the source at the end. ``run`` is a
+# :class:`layercut.calibrate.capture.BlockRun` (a layer above: not imported here).
+
+
+def write_block_fn(lazy: LazySource, writer: ShardWriter, save_dtype: torch.dtype) -> Callable:
+    """The ``after_block`` callback: write the quantized block's tensors, then drop its packed tensors."""
+    prefix = lazy.spec.layers_path()
+    stored = set(lazy.names)
+
+    def write_block(run, result: QuantizeResult) -> None:
+        block_prefix = f"{prefix}.{run.index}."
+        state = run.block.state_dict()
+        names = [block_prefix + k for k in state if block_prefix + k in stored]  # not computed buffers
+        _add_all(writer, stored_tensors(names, lambda full: state[full[len(block_prefix):]], result.layers,
+                                        save_dtype))
+        _add_all(writer, packed_tensors(result, [n for n in result.layers if n.startswith(block_prefix)],
+                                        release=True))
+
+    return write_block
+
+
+def discard_block(run, result: QuantizeResult) -> None:
+    """The ``after_block`` callback of a process that writes nothing (a torchrun rank other than 0):
+    drop the packed tensors, as :func:`write_block_fn` does once they are written."""
+    for ql in result.layers.values():
+        ql.tensors = {}
+
+
+def write_rest(lazy: LazySource, result: QuantizeResult, writer: ShardWriter, folder: Path, save_dtype: torch.dtype,
+               extra_files: Mapping[str, str | bytes] | None = None) -> dict:
+    """After the last block: the non-block tensors (embeddings, final norm, head: a quantized head's
+    packed tensors), the index, config and side files; returns the ``quantization_config``."""
+    qc = checked_quantization_config(lazy.model, result)
+    prefix = lazy.spec.layers_path() + "."
+    names = [n for n in lazy.model.state_dict(keep_vars=True)  # not tied aliases, not computed buffers
+             if not n.startswith(prefix) and n not in lazy.tied and n in lazy.names]
+    _add_all(writer, stored_tensors(names, lambda n: lazy.weights.get(lazy.names[n]), result.layers, save_dtype,
+                                    owned=True))
+    if result.head is not None:
+        _add_all(writer, packed_tensors(result, [result.head], release=True))
+    writer.close()
+    write_config_files(folder, lazy.config, qc, save_dtype, copy_from=lazy.path, extra_files=extra_files)
+    return qc

@@ -22,20 +22,19 @@ import copy
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
+from layercut.compress.core.arch import get_submodule
 from layercut.compress.core.errors import LayercutError
-from layercut.compress.core.shards import read_index
-from layercut.compress.quant.format.checkpoint import resolve_dynamic
+from layercut.compress.core.hfconfig import is_quantized
+from layercut.compress.core.shards import ShardWriter, read_index
+from layercut.compress.quant.format.checkpoint import LazySource, resolve_dynamic
 from layercut.compress.quant.format.pack import dequantize_gptq, packed_rows
 from layercut.compress.quant.format.qlinear import QuantLinear
 from layercut.compress.quant.format.result import SUPPORTED_BITS
-
-if TYPE_CHECKING:
-    from layercut.compress.io.lazy import LazyModel
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -147,12 +146,11 @@ def load_quantized(
     match the tensors, missing or unexpected tensors, or a non-GPTQ format.
     """
     from accelerate import init_empty_weights
-    from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
-    if getattr(config, "quantization_config", None) is None:
+    if not is_quantized(config):
         raise LayercutError(f"{path}: no quantization_config in config.json (not a GPTQ checkpoint)")
     qc = _read_quant_config(config)
     files = _weight_files(path)
@@ -228,7 +226,7 @@ def dequantize_rows(layer: QuantLinear, start: int, stop: int) -> torch.Tensor:
     return dequantize_gptq(layer.qweight[:, start:stop], zeros, layer.scales[:, start:stop], layer.g_idx, b)
 
 
-def write_dequantized(lazy: LazyModel, folder: Path, dtype: torch.dtype, max_shard_size: str | int = "2GB") -> int:
+def write_dequantized(lazy: LazySource, folder: Path, dtype: torch.dtype, max_shard_size: str | int = "2GB") -> int:
     """Write ``lazy`` (a :class:`~layercut.compress.io.lazy.LazyModel` of a GPTQ checkpoint) into
     ``folder`` as a dense checkpoint in ``dtype``, one tensor at a time; returns the layers dequantized.
 
@@ -238,9 +236,6 @@ def write_dequantized(lazy: LazyModel, folder: Path, dtype: torch.dtype, max_sha
     :func:`layercut.export.export.dequantize_model` + ``save_pretrained`` (tested); ``config.json``
     loses its ``quantization_config``. Side files are the caller's.
     """
-    from layercut.compress.core.arch import get_submodule
-    from layercut.compress.core.shards import ShardWriter
-
     count = 0
     with ShardWriter(folder, max_shard_size) as writer:
         for name in lazy.model.state_dict(keep_vars=True):

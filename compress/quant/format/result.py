@@ -8,14 +8,25 @@ loader, the allocator and the reports read them. Nothing here imports the solver
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from layercut.compress.quant.solve.driver import SolverConfig
-
 SUPPORTED_BITS = (2, 3, 4, 8)  # widths the packer, the kernels and the loaders handle
+
+
+class SolveSettings(Protocol):
+    """What the format reads of the settings a result was solved with (``quantization_config``'s
+    desc_act, sym, true_sequential, damp_percent, static_groups and meta); the solver's
+    settings object has these fields, and the format does not name it."""
+
+    sym: bool
+    act_order: bool
+    static_groups: bool
+    sequential: str
+    damp: float
+    method: str
 
 
 @dataclass
@@ -37,7 +48,7 @@ class QuantizedLinear:
 class QuantizeResult:
     """All quantized linears of a model, in forward order, plus timings."""
 
-    config: SolverConfig
+    config: SolveSettings  # the solver's settings (only these fields are read here)
     layers: dict[str, QuantizedLinear] = field(default_factory=dict)
     seconds: float = 0.0
     solve_seconds: float = 0.0  # time inside gptq_quantize / rtn_quantize

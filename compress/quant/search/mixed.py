@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from layercut.calibrate.data import CalibSet
+from layercut.calibrate.data import CalibSet, calibration_batch
 from layercut.compress.core.arch import arch_for, target_linears
 from layercut.compress.core.errors import LayercutError
 from layercut.compress.quant.format.pack import dequantize_gptq
@@ -57,7 +57,8 @@ from layercut.compress.quant.search.allocate import (
     candidate_label,
     candidate_order,
 )
-from layercut.compress.quant.solve.driver import SolverConfig, linear_weight, quantize_model, set_weight
+from layercut.compress.quant.solve.driver import linear_weight, quantize_model, set_weight
+from layercut.compress.quant.solve.settings import SolverConfig
 
 
 def _fits_all(units: Sequence[Unit], c: Candidate) -> bool:
@@ -125,8 +126,6 @@ def held_apart(tokenizer, sources, samples: int, seq_len: int, seed: int, calib_
     for it gets windows re-drawn with ``seed + 1 + part`` instead (they may overlap calibration
     windows; the report says so).
     """
-    from layercut.calibrate.data import calibration_batch
-
     offset = max((calib_samples + 1) * seq_len * 4 + seq_len, 1 << 16)
     offset += part * max((samples + 1) * seq_len * 4 + seq_len, 1 << 16)
     try:

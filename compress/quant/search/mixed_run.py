@@ -5,13 +5,15 @@ optional refinement round, the quantize passes and the fallback check; what ``la
 Usage::
 
     from layercut.compress.quant.search.mixed_run import quantize_mixed
-    run = quantize_mixed(net, tokenizer, config, config.core(), seed=0, device=device)
+    plan = build_plan(config, net)     # compress/quant/plan.py: the solver, the resolved group size, the candidates
+    run = quantize_mixed(net, tokenizer, config, plan, seed=0, device=device)
     run.result                         # the QuantizeResult that is written (mixed, or the uniform baseline)
     run.alloc                          # the Allocation when the mixed result is written, else None
     run.report, run.allocation         # the report's mixed-precision fields; allocation.json's content
 
-``config`` is the stage's :class:`~layercut.compress.quant.config.QuantizeConfig` with ``avg_bits`` set
-and its group size resolved; ``cfg`` its solver settings. With ``stream`` (a
+``config`` is the stage's :class:`~layercut.compress.quant.config.QuantizeConfig` with ``avg_bits`` set;
+``plan`` its :class:`~layercut.compress.quant.plan.QuantPlan` before the allocation (the solver's
+settings, the group size resolved for this model, the listed candidates at it). With ``stream`` (a
 :class:`layercut.compress.quant.search.mixed_stream.StreamedOutputs`, for a lazily loaded model) the mixed
 and uniform checkpoints are written block by block there and the fallback check streams;
 ``stream.keep`` is left to the caller. The stage (``compress/workflow/stages/quantize.py``) scrubs and
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 from layercut.calibrate.data import CalibSet, calibration_batch
 from layercut.compress.quant.config import QuantizeConfig
 from layercut.compress.quant.format.result import QuantizeResult
+from layercut.compress.quant.plan import QuantPlan
+from layercut.compress.quant.search import sensitivity
 from layercut.compress.quant.search.allocate import (
     Allocation,
     allocate_bits,
@@ -41,7 +45,8 @@ from layercut.compress.quant.search.mixed import (
 )
 from layercut.compress.quant.search.refine import Refiner
 from layercut.compress.quant.search.sensitivity import allocation_units, expand_bits
-from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
+from layercut.compress.quant.search.swap import kl_swap_table, swap_candidates
+from layercut.compress.quant.solve.driver import quantize_model
 
 MAX_DP_CELLS = 2_000_000  # exact DP up to this many budget cells (int8 choices: 2 MB per unit)
 
@@ -56,23 +61,18 @@ class MixedRun:
     allocation: dict  # allocation.json's content, before scrubbing
 
 
-def quantize_mixed(net, tokenizer, config: QuantizeConfig, cfg: SolverConfig, seed: int, device,
+def quantize_mixed(net, tokenizer, config: QuantizeConfig, plan: QuantPlan, seed: int, device,
                    progress: bool = True, stream=None) -> MixedRun:
     """Choose (bits, group size) per unit under ``config.avg_bits`` and quantize ``net`` in place."""
-    # looked up at call time, as the stage did (tests replace it on its module)
-    from layercut.compress.quant.search.sensitivity import measure_sensitivity
-
+    cfg, listed = plan.solver, None if plan.candidates is None else list(plan.candidates)
     sym = "symmetric" if config.sym else "asymmetric"
     report: dict = {}
     units = allocation_units(net, config.unit)
     table = [u.to_unit({}) for u in units]  # costs and fits only
     swap = config.sensitivity == "kl-swap"  # kl-swap: full quants + measured swaps (compress/quant/search/swap.py)
-    cands, baseline = resolve_candidates(table, config.avg_bits, config.candidate_pairs(),
-                                         config.fallback_check or swap)
+    cands, baseline = resolve_candidates(table, config.avg_bits, listed, config.fallback_check or swap)
     if swap:
-        from layercut.compress.quant.search.swap import kl_swap_table, swap_candidates
-
-        cands = swap_candidates(table, baseline, config.candidate_pairs())
+        cands = swap_candidates(table, baseline, listed)
     n = config.sensitivity_samples
     calib = calibration_batch(tokenizer, config.text_sources(), samples=config.samples, seq_len=config.seq_len,
                               seed=seed)  # Hessians
@@ -84,8 +84,9 @@ def quantize_mixed(net, tokenizer, config: QuantizeConfig, cfg: SolverConfig, se
                                         batch_size=config.batch_size, device=device, progress=progress, stream=stream)
         sens.data = how_swap
     else:
-        sens = measure_sensitivity(net, sub, units, cands, cfg, methods=(config.sensitivity,),
-                                   batch_size=config.batch_size, device=device, progress=progress)
+        # looked up on its module at call time (tests replace it there)
+        sens = sensitivity.measure_sensitivity(net, sub, units, cands, cfg, methods=(config.sensitivity,),
+                                               batch_size=config.batch_size, device=device, progress=progress)
     alloc_units = [u.to_unit(sens.delta[u.name]) for u in units]
     alloc = allocate_bits(alloc_units, config.avg_bits, candidates=cands, max_cells=MAX_DP_CELLS)
     refiner = Refiner(units, alloc_units, alloc, cands, cfg) if config.refine else None  # GPTQ + loss (checked)

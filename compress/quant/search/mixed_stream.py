@@ -31,12 +31,15 @@ from torch import Tensor
 
 from layercut.calibrate.capture import BlockRun, first_tensor, run_blocks
 from layercut.calibrate.data import CalibSet
+from layercut.compress.core.shards import ShardWriter
+from layercut.compress.eval.stream_eval import head_logprobs
 from layercut.compress.io.lazy import LazyModel, TensorIndex
+from layercut.compress.quant.format.checkpoint import write_block_fn, write_rest
 from layercut.compress.quant.format.pack import dequantize_gptq
 from layercut.compress.quant.format.result import QuantizeResult
-from layercut.compress.quant.format.stream import write_block_fn, write_rest
 from layercut.compress.quant.search.mixed import FallbackVerdict
-from layercut.compress.quant.solve.driver import SolverConfig, linear_weight, quantize_model, set_weight
+from layercut.compress.quant.solve.driver import linear_weight, quantize_model, set_weight
+from layercut.compress.quant.solve.settings import SolverConfig
 
 POSITIONS = 128  # positions per head slice: [128, V] log-probs at a time
 
@@ -52,8 +55,6 @@ class StreamedOutputs:
 
     def block_writer(self, kind: str) -> Callable[[BlockRun, QuantizeResult], None]:
         """The ``after_block`` callback that writes ``kind``'s quantized blocks into ``.kind``."""
-        from layercut.compress.core.shards import ShardWriter
-
         sub = self.folder / f".{kind}"
         sub.mkdir()
         self.writers[kind] = ShardWriter(sub, self.max_shard_size, always_index=True)
@@ -110,8 +111,6 @@ def streamed_kl(lazy: LazyModel, check: CalibSet, variants: Mapping[str, tuple[P
                 batch_size: int = 8, device: str | torch.device | None = None,
                 progress: bool = True) -> tuple[dict[str, float], int]:
     """Mean over non-pad tokens of KL(p_source ‖ p_variant) for each written variant; (kls, tokens)."""
-    from layercut.compress.eval.stream_eval import head_logprobs
-
     spec = lazy.spec
     indexes = {k: TensorIndex(path) for k, (path, _) in variants.items()}
     streams: dict[str, list[Tensor]] = {}

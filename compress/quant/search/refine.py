@@ -39,7 +39,8 @@ from layercut.compress.quant.search.allocate import (
     allocate_bits,
     candidate_label,
 )
-from layercut.compress.quant.solve.driver import SolverConfig, solve_group
+from layercut.compress.quant.solve.linear import solve_group
+from layercut.compress.quant.solve.settings import SolverConfig
 
 
 def neighbours(unit: Unit, choice: Candidate, cands: Sequence[Candidate]) -> list[Candidate]:

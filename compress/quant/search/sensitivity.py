@@ -4,9 +4,10 @@ Run it::
 
     from layercut.compress.quant.search.sensitivity import allocation_units, measure_sensitivity
     units = allocation_units(model, "group")                 # qkv / o / gate_up / down; or "layer"
-    table = measure_sensitivity(model, calib, units, [(3, 64), (4, -1), (8, -1)], SolverConfig())
+    cfg = solver_settings(QuantizeConfig(avg_bits=3.5, group_size=64))   # compress/quant/plan.py
+    table = measure_sensitivity(model, calib, units, [(3, 64), (4, -1), (8, -1)], cfg)
     table.delta["model.layers.3.down"][(3, 64)]              # Δ of layer 3's down_proj at 3-bit g64
-    measure_sensitivity(model, calib, units, (2, 3, 4, 8), SolverConfig(group_size=64))  # bare bits
+    measure_sensitivity(model, calib, units, (2, 3, 4, 8), cfg)   # bare bits: at cfg.group_size
 
 A candidate c is a (bits, group size) pair (group size -1 = one group per row), or bare
 bits, which mean ``cfg.group_size`` and key the table by bits as before. A unit is only
@@ -57,12 +58,12 @@ from layercut.compress.quant.search.allocate import Unit, candidate_label, requi
 from layercut.compress.quant.solve.driver import (
     GROUP_LABELS,
     HessianSet,
-    SolverConfig,
     check_model,
     linear_weight,
     set_weight,
-    solve_group,
 )
+from layercut.compress.quant.solve.linear import solve_group
+from layercut.compress.quant.solve.settings import SolverConfig
 
 METHODS = ("kl", "output", "output_rel", "loss")
 T = TypeVar("T")

@@ -47,17 +47,15 @@ from layercut.calibrate.capture import BlockRun, first_tensor, run_blocks
 from layercut.calibrate.data import CalibSet
 from layercut.compress.core.arch import arch_for
 from layercut.compress.core.errors import LayercutError
+from layercut.compress.eval.stream_eval import head_logprobs
 from layercut.compress.io.lazy import lazy_of
 from layercut.compress.quant.format.pack import dequantize_gptq, pack_gptq
 from layercut.compress.quant.format.result import SUPPORTED_BITS, QuantizeResult
 from layercut.compress.quant.search.allocate import Candidate, Unit, candidate_label, candidate_order
-from layercut.compress.quant.solve.driver import (
-    SolverConfig,
-    linear_weight,
-    quantize_model,
-    set_weight,
-    solve_group,
-)
+from layercut.compress.quant.search.mixed import float_weights, load_weights
+from layercut.compress.quant.solve.driver import linear_weight, quantize_model, set_weight
+from layercut.compress.quant.solve.linear import solve_group
+from layercut.compress.quant.solve.settings import SolverConfig
 
 POSITIONS = 128  # head slices: [128, V] log-probs at a time
 MAX_STREAM_BYTES = 2 << 30  # live hidden streams per pass (float32)
@@ -168,8 +166,6 @@ def _head_logprobs(model: nn.Module, h: Tensor) -> Tensor:
     """[S, D] raw last-block output -> [S, V] float32 log-probs (final norm, head, softcap)."""
     lazy = lazy_of(model)
     if lazy is not None:
-        from layercut.compress.eval.stream_eval import head_logprobs
-
         return head_logprobs(lazy, h.cpu())
     spec = arch_for(model)
     norm = model.get_submodule(f"{spec.base}.{spec.final_norm}")
@@ -297,8 +293,6 @@ def kl_swap_table(model: nn.Module, calib: CalibSet, held: CalibSet, units: Sequ
     table, the baseline's result for the fallback check; None when streamed, where the baseline
     was written into ``stream``'s ``.uniform`` as it went). ``model`` holds its float weights again
     on return (a copy of the target linears is restored; a streamed model re-reads them)."""
-    from layercut.compress.quant.search.mixed import float_weights, load_weights
-
     t0 = time.perf_counter()
     fp = float_weights(model) if stream is None else None
     writer = stream.block_writer("uniform") if stream is not None else None

@@ -5,8 +5,9 @@ Run it::
 
     layercut quantize bundled:smollm2-135m -o q3 --bits 3 --group-size 64 --block-tune
 
-    from layercut.compress.quant.solve.block_tune import BlockTune
-    cfg = SolverConfig(bits=3, group_size=64, tune=BlockTune(steps=100))
+    from layercut.compress.quant.config import QuantizeConfig
+    from layercut.compress.quant.plan import solver_settings
+    cfg = solver_settings(QuantizeConfig(bits=3, group_size=64, block_tune=True, block_tune_steps=100))
     quantize_model(model, calib, cfg)        # GPTQ, then each block tuned before the next one runs
 
 What trains (per quantized linear, everything else of the block frozen):
@@ -46,7 +47,6 @@ below GPTQ's (so tuning never makes a block worse on what it was fitted to).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,41 +56,13 @@ from torch.nn import functional as F
 
 from layercut.compress.core.errors import LayercutError
 from layercut.compress.quant.solve.gptq import QuantResult
-
-TARGETS = ("quantized", "float")
-LOSSES = ("mse", "channel")
-OPTIMIZERS = ("adam", "sign")
-INITS = ("residual", "zero")
-
-
-@dataclass(frozen=True)
-class BlockTune:
-    """Settings of block-wise reconstruction (see the module doc)."""
-
-    steps: int = 100
-    batch: int = 4  # calibration sequences per step, drawn from one micro-batch
-    lr: float = 0.003  # step of the rounding offsets, in code units (decays linearly to 0)
-    scale_lr: float = 0.002  # Adam's step for the relative scale change
-    target: str = "float"  # "quantized" | "float": whose inputs the float block's target output is computed on
-    optimizer: str = "adam"  # "adam" | "sign" (AutoRound's signed steps): the offsets' optimiser
-    init: str = "residual"  # "residual" | "zero": where the offsets start
-    loss: str = "channel"  # "channel": each hidden channel's error over its mean square in the target | "mse"
-    seed: int = 0
-
-    def check(self) -> None:
-        if self.steps <= 0 or self.batch <= 0:
-            raise LayercutError(f"quantize: block tuning steps and batch must be positive, got {self.steps}, "
-                                f"{self.batch}")
-        if not (self.lr > 0 and math.isfinite(self.lr)) or not (self.scale_lr >= 0 and math.isfinite(self.scale_lr)):
-            raise LayercutError(f"quantize: block tuning learning rates must be positive, got lr {self.lr}, "
-                                f"scale lr {self.scale_lr}")
-        if self.optimizer not in OPTIMIZERS or self.init not in INITS:
-            raise LayercutError(f"quantize: block tuning optimizer must be one of {OPTIMIZERS} and init one of "
-                                f"{INITS}, got {self.optimizer!r}, {self.init!r}")
-        if self.loss not in LOSSES:
-            raise LayercutError(f"quantize: block tuning loss must be one of {LOSSES}, got {self.loss!r}")
-        if self.target not in TARGETS:
-            raise LayercutError(f"quantize: block tuning target must be one of {TARGETS}, got {self.target!r}")
+from layercut.compress.quant.solve.settings import (  # noqa: F401  (re-exported: the tuner's settings)
+    INITS,
+    LOSSES,
+    OPTIMIZERS,
+    TARGETS,
+    BlockTune,
+)
 
 
 class _DequantLinearFn(torch.autograd.Function):

@@ -2,13 +2,16 @@
 
 Run it::
 
-    from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
-    cfg = SolverConfig(bits=4, group_size=64)                    # asym, GPTQ, damp 0.01
+    from layercut.compress.quant.config import QuantizeConfig
+    from layercut.compress.quant.plan import solver_settings
+    from layercut.compress.quant.solve.driver import quantize_model
+    cfg = solver_settings(QuantizeConfig(bits=4, group_size=64))  # the stage's defaults (asym, GPTQ, damp 0.01)
     result = quantize_model(model, calib, cfg, bits={"model.layers.3.mlp.down_proj": 8})
     result = quantize_model(model, calib, cfg, bits={"model.layers.3.mlp.down_proj": (3, -1)})  # (bits, gs)
     result.layers["model.layers.0.self_attn.q_proj"].tensors    # packed GPTQ v1 tensors
 
-or ``layercut quantize MODEL -o OUT --bits 4`` (the stage: compress/workflow/stages/quantize.py).
+or ``layercut quantize MODEL -o OUT --bits 4`` (the stage, compress/workflow/stages/quantize.py, runs
+a :class:`layercut.compress.quant.plan.QuantPlan`: its ``solver`` and per-linear pairs come here).
 
 Each decoder block's turn in :func:`layercut.calibrate.capture.run_blocks`: hooks on the first
 linear of each fused group ({q,k,v}, o, {gate,up}, down — they share an input) fold
@@ -28,118 +31,46 @@ dominates wall time on CPU; see docs/results/quant.md for the measured trade-off
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from layercut.calibrate.capture import BlockRun, first_tensor, run_blocks
 from layercut.calibrate.data import CalibSet
 from layercut.compress.core.arch import ArchSpec, arch_for, get_submodule, target_linears
 from layercut.compress.core.distributed import Group
 from layercut.compress.core.errors import LayercutError
-from layercut.compress.io.lazy import trim_heap
+from layercut.compress.core.hfconfig import is_quantized
+from layercut.compress.io.lazy import lazy_of, trim_heap
 from layercut.compress.quant.format.pack import pack_gptq
+from layercut.compress.quant.format.qlinear import QuantLinear
 from layercut.compress.quant.format.result import SUPPORTED_BITS, QuantizedLinear, QuantizeResult
 from layercut.compress.quant.solve.block_tune import BlockTune, tune_block
-from layercut.compress.quant.solve.gptq import (
-    SCALE_BOUNDS,
-    SCALE_SEARCH,
-    QuantResult,
-    gptq_quantize,
-    hessian_update,
-    rtn_quantize,
+from layercut.compress.quant.solve.gptq import QuantResult, hessian_update
+from layercut.compress.quant.solve.head import check_head, head_hessian, quantize_head
+from layercut.compress.quant.solve.linear import (  # noqa: F401  (solve_group, solve: re-exported)
+    check_finite,
+    linear_weight,
+    set_weight,
+    solve,
+    solve_group,
+    solver_threads,
 )
+from layercut.compress.quant.solve.settings import SolverConfig, pick_group_size
 
-METHODS = ("gptq", "rtn")
 SEQUENTIAL = {"block": ((0, 1, 2, 3),), "sublayer": ((0, 1), (2, 3)), "linear": ((0,), (1,), (2,), (3,))}
 GROUP_LABELS = ("qkv", "o", "gate_up", "down")
-SOLVE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-@dataclass
-class SolverConfig:
-    """How to quantize: defaults are GPTQ, asymmetric, 4 bits, group size 128, damp 0.01."""
-
-    bits: int = 4
-    group_size: int = 128
-    sym: bool = False
-    act_order: bool = False
-    static_groups: bool = False
-    group_aware: bool = False  # GAR column order (see gptq_quantize); act_order wins if both
-    damp: float = 0.01
-    method: str = "gptq"  # "gptq" | "rtn"
-    sequential: str = "block"  # "block" | "sublayer" | "linear" (see module doc)
-    block_size: int = 128
-    # dtype of the damped Hessian's Cholesky factors and inverse (H is accumulated in float64
-    # either way); float32 halves the solve's largest buffers (benchmarks/solve_precision.py)
-    solve_dtype: str = "float32"  # "float32" | "float64"
-    # per-group clipping search (gptq_quantize): "none" | "mse" | "hessian" | "obs", over the shrink
-    # factors 1 .. scale_min of the min/max range in scale_steps steps
-    scale_search: str = "none"
-    scale_min: float = 0.75
-    scale_steps: int = 5
-    scale_bounds: str = "joint"  # "joint": one factor for both ends of the range; "separate": one each
-    # after the codes are chosen, re-solve each row's group scales by least squares on H (scale_fit.py)
-    refit_scales: bool = False
-    # block-wise reconstruction after each block's GPTQ solves (block_tune.py); None: off
-    tune: BlockTune | None = None
-
-    def check(self) -> None:
-        if self.bits not in SUPPORTED_BITS:
-            raise LayercutError(f"quantize: bits must be one of {SUPPORTED_BITS}, got {self.bits}")
-        if self.group_size != -1 and self.group_size <= 0:
-            raise LayercutError(f"quantize: group size must be -1 or positive, got {self.group_size}")
-        if self.method not in METHODS:
-            raise LayercutError(f"quantize: method must be one of {METHODS}, got {self.method!r}")
-        if self.sequential not in SEQUENTIAL:
-            raise LayercutError(f"quantize: sequential must be one of {tuple(SEQUENTIAL)}, got {self.sequential!r}")
-        if not (0 <= self.damp < 1 and math.isfinite(self.damp)):
-            raise LayercutError(f"quantize: damp must lie in [0, 1), got {self.damp}")
-        if self.solve_dtype not in SOLVE_DTYPES:
-            raise LayercutError(f"quantize: solve dtype must be one of {tuple(SOLVE_DTYPES)}, got {self.solve_dtype!r}")
-        if self.scale_search not in SCALE_SEARCH:
-            raise LayercutError(f"quantize: scale search must be one of {SCALE_SEARCH}, got {self.scale_search!r}")
-        if self.scale_bounds not in SCALE_BOUNDS:
-            raise LayercutError(f"quantize: scale bounds must be one of {SCALE_BOUNDS}, got {self.scale_bounds!r}")
-        if not (0 < self.scale_min <= 1) or self.scale_steps < 0:
-            raise LayercutError(f"quantize: scale_min must lie in (0, 1] and scale_steps be >= 0, got "
-                                f"{self.scale_min}, {self.scale_steps}")
-        if self.scale_search != "none" and self.method != "gptq":
-            raise LayercutError(f"quantize: scale search {self.scale_search!r} works with method gptq, "
-                                f"not {self.method!r}")
-        if self.refit_scales and self.method != "gptq":
-            raise LayercutError(f"quantize: refit_scales works with method gptq, not {self.method!r}")
-        if self.tune is not None:
-            if self.method != "gptq":
-                raise LayercutError(f"quantize: block tuning starts from GPTQ's codes and runs in its block loop; "
-                                    f"it does not support method {self.method!r}")
-            self.tune.check()
-
-    def torch_solve_dtype(self) -> torch.dtype:
-        return SOLVE_DTYPES[self.solve_dtype]
-
-
-
-def linear_weight(module: nn.Module, conv1d: bool) -> Tensor:
-    """W [out, in] of a Linear (GPT-2's Conv1D stores it transposed)."""
-    return module.weight.T if conv1d else module.weight
-
-
-def set_weight(module: nn.Module, W: Tensor, conv1d: bool) -> None:
-    w = W.T if conv1d else W
-    module.weight.data.copy_(w.to(module.weight.dtype))
 
 
 def is_quantized_model(model: nn.Module) -> bool:
     """True if ``model`` already holds GPTQ (or other) quantized layers / config."""
-    if getattr(getattr(model, "config", None), "quantization_config", None) is not None:
-        return True
-    return any(hasattr(m, "qweight") for m in model.modules())
+    return is_quantized(model) or any(hasattr(m, "qweight") for m in model.modules())
 
 
 def linear_plan(
@@ -159,15 +90,11 @@ def _label(c: tuple[int, int]) -> str:
     return f"{c[0]}-bit per channel" if c[1] == -1 else f"{c[0]}-bit g{c[1]}"
 
 
-AUTO_GROUP_SIZES = (128, 64, 32)  # the group-size default: the first that divides every input size
-
-
 def auto_group_size(model: nn.Module) -> int:
     """The default group size for ``model``: 128 (the GPTQ convention) where it divides every
     quantized linear's input size, else the largest of 64, 32 that does, else -1 (one per row)."""
     spec = arch_for(model)
-    sizes = {linear_weight(module, spec.conv1d).shape[1] for _, _, _, module in target_linears(model, spec)}
-    return next((g for g in AUTO_GROUP_SIZES if all(n % g == 0 for n in sizes)), -1)
+    return pick_group_size(linear_weight(module, spec.conv1d).shape[1] for _, _, _, module in target_linears(model, spec))
 
 
 def check_model(
@@ -181,7 +108,6 @@ def check_model(
     configurations; a group size that does not divide its linear's in_features (no silent
     per-layer fallback: pick a divisor, or -1); weights with NaN/Inf.
     """
-    cfg.check()
     if is_quantized_model(model):
         raise LayercutError("quantize: the model is already quantized (it has a quantization_config or "
                             "quantized layers); quantize the dense original instead")
@@ -220,93 +146,6 @@ def check_model(
             check_finite(module.weight, name)
     return targets
 
-
-def check_finite(weight: Tensor, name: str) -> None:
-    if not torch.isfinite(weight.sum(dtype=torch.float64)):  # one reduction: NaN/Inf propagate
-        raise LayercutError(f"quantize: {name} has NaN or Inf weights")
-
-
-# ------------------------------------------------------------------------ solving
-
-
-@contextlib.contextmanager
-def solver_threads(device: torch.device) -> Iterator[None]:
-    """One intra-op thread on CPU while solving and packing: GPTQ's column loop is a chain
-    of small [out]-sized ops, and on this shared 2-core machine 2 threads made such ops
-    5-10x slower (threads wait on each other when a core is taken by another process)."""
-    if device.type != "cpu":
-        yield
-        return
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-def solve(W: Tensor, H: Tensor | None, bits: int, cfg: SolverConfig, overwrite_h: bool = False) -> QuantResult:
-    """Quantize one weight W [out, in] with ``cfg.method`` (H [in, in] may be None for RTN).
-
-    ``overwrite_h``: GPTQ may use a float64 H as scratch (garbage afterwards; one copy fewer)."""
-    with solver_threads(W.device):
-        return _solve(W, H, bits, cfg, overwrite_h)
-
-
-def output_loss(W: Tensor, W_hat: Tensor, H: Tensor) -> float:
-    """½ tr((Ŵ − W) H (Ŵ − W)ᵀ), undamped, in float32: W, Ŵ [out, in], H [in, in]."""
-    D = (W_hat - W).float()
-    return float(((D @ H.to(device=D.device, dtype=torch.float32)) * D).sum() / 2)
-
-
-def solve_group(Ws: list[Tensor], H: Tensor | list[Tensor] | None, bits: int, cfg: SolverConfig,
-                overwrite_h: bool = False) -> list[QuantResult]:
-    """Quantize linears that share one input (hence one H) in a single call.
-
-    GPTQ treats the rows of W independently given H (Frantar et al. 2022, §3: the
-    Hessian is the same for every row), so stacking q/k/v (or gate/up) along ``out``
-    is the same computation as one call per linear, but inverts H once and runs the
-    column loop once. ``loss`` of each part is its undamped ½ tr(ΔW H ΔWᵀ) (NaN for RTN).
-    ``overwrite_h``: the caller is done with H; the losses use a float32 copy taken first (the
-    precision they were always computed in) and GPTQ solves in H's storage, converted to
-    ``cfg.solve_dtype`` first. To let that conversion free the float64 H, pass it as a
-    one-element list that nobody else references (``[H]``): it is emptied.
-    """
-    if isinstance(H, list):
-        H = H.pop()
-    if H is not None and overwrite_h:
-        H_loss = H.to(device=Ws[0].device, dtype=torch.float32, copy=True)
-        if H.dtype != cfg.torch_solve_dtype():
-            del H  # frees a float64 H nobody else holds, before its float32 copy is made
-            H = H_loss.clone()  # = H.float(): the conversion is exact-rounded either way
-    else:
-        H_loss, overwrite_h = H, False
-    res = solve(torch.cat(Ws) if len(Ws) > 1 else Ws[0], H, bits, cfg, overwrite_h)
-    del H
-    H = H_loss
-    out, r0 = [], 0
-    for W in Ws:
-        r1 = r0 + W.shape[0]
-        part = QuantResult(q=res.q[r0:r1], scales=res.scales[:, r0:r1], zeros=res.zeros[:, r0:r1], g_idx=res.g_idx.clone(),
-                           dequant=res.dequant[r0:r1], loss=float("nan"), damp_used=res.damp_used, bits=bits,
-                           group_size=res.group_size, residual=None if res.residual is None else res.residual[r0:r1])
-        if H is not None:
-            part.loss = output_loss(W, part.dequant, H)
-        out.append(part)
-        r0 = r1
-    return out
-
-
-def _solve(W: Tensor, H: Tensor | None, bits: int, cfg: SolverConfig, overwrite_h: bool = False) -> QuantResult:
-    if cfg.method == "rtn":
-        return rtn_quantize(W, bits, cfg.group_size, cfg.sym, H=H)
-    return gptq_quantize(
-        W, H, bits, cfg.group_size, sym=cfg.sym, act_order=cfg.act_order,
-        static_groups=cfg.static_groups, damp=cfg.damp, block_size=cfg.block_size, group_aware=cfg.group_aware,
-        overwrite_h=overwrite_h, solve_dtype=cfg.torch_solve_dtype(),
-        scale_search=cfg.scale_search, scale_min=cfg.scale_min, scale_steps=cfg.scale_steps,
-        refit=cfg.refit_scales, scale_bounds=cfg.scale_bounds, residual=cfg.tune is not None,
-    )
 
 
 def _apply_group(items, Ws: list[Tensor], parts: list[QuantResult], conv1d: bool, result: QuantizeResult) -> None:
@@ -442,8 +281,6 @@ def quantize_model(
     gathered and folded in the single-process order (:class:`HessianSet`), and every process solves
     every linear identically; ``calib`` must be the same on every rank.
     """
-    from layercut.compress.quant.solve.head import check_head, head_hessian, quantize_head
-
     targets = check_model(model, cfg, bits)
     if head is not None:
         check_head(model, *head)
@@ -562,12 +399,6 @@ def _rtn_blocks(model, targets, plan, cfg: SolverConfig, spec: ArchSpec, result:
                 progress: bool, after_block) -> None:
     """Round-to-nearest, block by block: no forwards. A streamed model's block is read for its
     turn, quantized, handed to ``after_block`` (which writes it) and released."""
-    from types import SimpleNamespace
-
-    from tqdm.auto import tqdm
-
-    from layercut.compress.io.lazy import lazy_of
-
     lazy = lazy_of(model)
     by_block: dict[int, list[tuple[str, nn.Module]]] = {}
     for i, _, name, module in targets:
@@ -596,8 +427,6 @@ def _rtn_blocks(model, targets, plan, cfg: SolverConfig, spec: ArchSpec, result:
 def to_quant_linears(model: nn.Module, result: QuantizeResult) -> nn.Module:
     """Swap each quantized linear of ``model`` for a :class:`~layercut.compress.quant.format.qlinear.QuantLinear`
     holding its packed tensors (the model then runs the GPTQ op; weights are freed)."""
-    from layercut.compress.quant.format.qlinear import QuantLinear
-
     # QuantLinear computes x @ Wᵀ with W [out, in]: the same map as a GPT-2 Conv1D's x @ weight
     for name, ql in result.layers.items():
         module = model.get_submodule(name)

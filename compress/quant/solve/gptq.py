@@ -25,6 +25,7 @@ from torch import Tensor
 
 from layercut.compress.core.errors import LayercutError
 from layercut.compress.quant.format.result import SUPPORTED_BITS
+from layercut.compress.quant.solve.scale_fit import refit_scales
 
 _DAMP_TRIES = 5  # damp, 10·damp, 100·damp, ... before giving up
 _FP16_MIN_SUBNORMAL = 2.0**-24
@@ -467,8 +468,6 @@ def _refit(W: Tensor, H: Tensor, Q: Tensor, scales: Tensor, zeros: Tensor, g_idx
     """Refit ``scales`` in place for the codes ``Q``; return ``loss`` (½ tr(ΔW (H + λI) ΔWᵀ)) for them.
 
     The loss changes by the undamped drop ½·gain and by λ/2 · (‖ΔW_new‖² - ‖ΔW_old‖²)."""
-    from layercut.compress.quant.solve.scale_fit import refit_scales
-
     new, gain = refit_scales(W, H, Q, zeros, g_idx, scales)
     lam = damp_used * float(H.diagonal().double().mean())
     idx = g_idx.to(torch.int64)

@@ -2,8 +2,8 @@
 
 Run it::
 
-    from layercut.compress.quant.solve.driver import SolverConfig, quantize_model
-    result = quantize_model(model, calib, SolverConfig(bits=4, group_size=128), head=(8, 128))
+    from layercut.compress.quant.solve.driver import quantize_model
+    result = quantize_model(model, calib, cfg, head=(8, 128))   # cfg: plan.solver (compress/quant/plan.py)
     result.layers["lm_head"].tensors          # packed like every other linear; result.head == "lm_head"
 
 or ``layercut quantize MODEL -o OUT --bits 4 --quantize-head 8g128``.
@@ -32,8 +32,9 @@ from layercut.compress.core.errors import LayercutError
 from layercut.compress.io.lazy import lazy_of
 from layercut.compress.quant.format.pack import pack_gptq
 from layercut.compress.quant.format.result import SUPPORTED_BITS, QuantizedLinear, QuantizeResult
-from layercut.compress.quant.solve.driver import SolverConfig, check_finite, solve, solver_threads
 from layercut.compress.quant.solve.gptq import hessian_update
+from layercut.compress.quant.solve.linear import check_finite, solve, solve_dtype, solver_threads
+from layercut.compress.quant.solve.settings import SolverConfig
 
 HEAD_ROWS = 16384  # head rows solved (and upcast to float32) at once; a multiple of 32 (packed zeros)
 
@@ -41,9 +42,8 @@ HEAD_ROWS = 16384  # head rows solved (and upcast to float32) at once; a multipl
 def output_head(model: nn.Module) -> tuple[str, nn.Module] | None:
     """(module name, module) of the output head; None if the model has none."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None:
-        return None
-    return next(n for n, m in model.named_modules() if m is head), head
+    name = None if head is None else next((n for n, m in model.named_modules() if m is head), None)
+    return None if name is None else (name, head)
 
 
 def head_is_tied(model: nn.Module) -> bool:
@@ -140,7 +140,7 @@ def quantize_head(
     dev = torch.device(device) if device is not None else weight.device
     hcfg = replace(cfg, bits=bits, group_size=group_size)
     if H is not None:
-        H = H.to(device=dev, dtype=cfg.torch_solve_dtype())  # one copy; each slice's solve copies it again
+        H = H.to(device=dev, dtype=solve_dtype(cfg))  # one copy; each slice's solve copies it again
     rows = max(32, rows - rows % 32)
     parts: list[dict[str, Tensor]] = []
     loss, damp_used = 0.0, 0.0

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 
-from layercut.compress.workflow.planner.config import SIZE_HELP
+from pydantic import ValidationError
+
+from layercut.compress.core.errors import LayercutError, format_error
+from layercut.compress.workflow.planner.config import SIZE_HELP, PlanConfig
 
 EXAMPLES = (
     "layercut plan bundled:smollm2-135m --target-size 40% -o plans/p40",
@@ -62,15 +65,9 @@ def register(sub: argparse._SubParsersAction, **parser_kw) -> None:
     p.add_argument("--seed", type=int, help="calibration seed (default: 0)")
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (default: off)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line (default: off)")
-    p.set_defaults(handler=run)
 
 
-def config_from_args(args: argparse.Namespace):
-    from pydantic import ValidationError
-
-    from layercut.compress.core.errors import LayercutError, format_error
-    from layercut.compress.workflow.planner.config import PlanConfig
-
+def config_from_args(args: argparse.Namespace) -> PlanConfig:
     values = {"size": args.target_size}
     for key in ("min_speedup", "budget_minutes", "top_k", "bits", "group_sizes", "mixed", "calib", "samples",
                 "seq_len", "seed"):
@@ -83,19 +80,3 @@ def config_from_args(args: argparse.Namespace):
     except ValidationError as exc:
         msg = format_error(exc, flags=PlanConfig.option_names())
         raise LayercutError(msg.replace("--size", "--target-size")) from None
-
-
-def run(args: argparse.Namespace) -> dict:
-    from layercut.compress.workflow.planner.search import plan
-
-    config = config_from_args(args)
-    report = plan(config, args.model, args.output, progress=not args.json and not getattr(args, "quiet", False),
-                  overwrite=args.overwrite)
-    w = report["winner"]
-    return {"output": report["output"], "winner": w["label"], "kept_blocks": w["kept_blocks"],
-            "bytes": w["measured_bytes"], "target_bytes": report["target_bytes"],
-            "size_vs_bf16": round(w["measured_bytes"] / report["bf16_bytes"], 4), "kl": w["measured_kl"],
-            "predicted_kl": w["predicted_kl"], "predicted_speedup": w["predicted_speedup"],
-            "spearman_topk": report["spearman_topk"], "verified": report["verified"],
-            "candidates": len(report["candidates"]), "speed": report["speed"],
-            "seconds": report["timings"]["total_s"]}

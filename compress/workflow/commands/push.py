@@ -12,7 +12,6 @@ The token is read by huggingface_hub from the standard places and never printed.
 from __future__ import annotations
 
 import argparse
-import sys
 
 EXAMPLES = (
     "layercut push runs/demo --repo-id my-org/smollm2-demo --dry-run",
@@ -33,22 +32,3 @@ def register(sub: argparse._SubParsersAction, **parser_kw) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="list exactly what would be uploaded; upload nothing (default: off)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line (default: off)")
-    p.set_defaults(handler=run)
-
-
-def run(args: argparse.Namespace) -> dict:
-    from layercut.export.push import push
-
-    plan = push(args.folder, args.repo_id, private=args.private, revision=args.revision,
-                dry_run=args.dry_run, commit_message=args.commit_message)
-    if not args.json:
-        verb = "would upload" if plan.dry_run else "uploaded"
-        print(f"{verb} {len(plan.files)} files ({plan.bytes / 2**20:.1f} MiB) from {plan.folder} "
-              f"to {plan.repo_id}{'@' + plan.revision if plan.revision else ''}", file=sys.stderr)
-        if plan.extra.get("card"):
-            print(plan.extra["card"], file=sys.stderr)
-        for name in plan.files:
-            print(name)
-        return {"repo_id": plan.repo_id, "files": len(plan.files), "bytes": plan.bytes, "dry_run": plan.dry_run,
-                **({"commit_url": plan.commit_url} if plan.commit_url else {})}
-    return plan.to_dict()

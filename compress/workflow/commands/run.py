@@ -13,7 +13,6 @@ Ctrl-C or SIGTERM (the unfinished stage's temp folder removed; ``--resume`` cont
 from __future__ import annotations
 
 import argparse
-import signal
 
 EXAMPLES = (
     "layercut run recipes/smollm2-demo.yaml -o runs/demo",
@@ -31,20 +30,3 @@ def register(sub: argparse._SubParsersAction, **parser_kw) -> None:
                    help="continue the run in OUTPUT from its last finished stage (default: off)")
     p.add_argument("--json", action="store_true",
                    help="print the run report as one JSON line, no progress bars (default: off)")
-    p.set_defaults(handler=run)
-
-
-def _terminate(signum, frame):  # SIGTERM (CI cancel, kill) -> the same clean stop as Ctrl-C
-    raise KeyboardInterrupt
-
-
-def run(args: argparse.Namespace) -> dict:
-    from layercut.compress.workflow.pipeline import run_recipe
-    from layercut.compress.workflow.recipe import load_recipe
-
-    signal.signal(signal.SIGTERM, _terminate)
-    recipe = load_recipe(args.recipe)
-    report = run_recipe(recipe, args.output, resume=args.resume, progress=not args.json and not getattr(args, "quiet", False))
-    if args.json:
-        return report
-    return {"output": args.output, "final_model": report["final_model"], "total_wall_s": report["total_wall_s"]}

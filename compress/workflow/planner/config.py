@@ -15,6 +15,7 @@ from pydantic import Field, field_validator
 from layercut.calibrate import DEFAULT_CALIB_TEXT
 from layercut.compress.core.units import check_size, parse_size
 from layercut.compress.options import StageConfig, parse_fraction
+from layercut.compress.quant.format.result import SUPPORTED_BITS
 
 SIZE_HELP = "a percentage of the source's bf16 bytes (40%) or a size with a unit (1.2GB, 800MiB)"
 
@@ -76,8 +77,6 @@ class PlanConfig(StageConfig):
     @field_validator("bits")
     @classmethod
     def _bits(cls, v: list[int]) -> list[int]:
-        from layercut.compress.quant.format.result import SUPPORTED_BITS
-
         if not v or any(b not in SUPPORTED_BITS for b in v):
             raise ValueError(f"bits must be among {', '.join(map(str, SUPPORTED_BITS))}, got {v}")
         return v

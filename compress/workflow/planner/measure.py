@@ -23,7 +23,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from layercut.compress.core.arch import arch_for, target_linears
 from layercut.compress.io.models import load_model
+from layercut.compress.quant.search.mixed import held_apart
+from layercut.compress.quant.solve.driver import linear_weight, set_weight
+from layercut.compress.quant.solve.gptq import rtn_quantize
 
 
 class KLJudge:
@@ -31,8 +35,6 @@ class KLJudge:
 
     def __init__(self, source: Path, tokenizer, sources, samples: int, seq_len: int, seed: int,
                  calib_samples: int, batch_size: int = 4) -> None:
-        from layercut.compress.quant.search.mixed import held_apart
-
         self.held, self.how = held_apart(tokenizer, sources, samples, seq_len, seed, calib_samples)
         self.batch_size = batch_size
         self.source = source
@@ -66,10 +68,6 @@ class KLJudge:
 
     def rtn_kl(self, config: tuple[int, int]) -> float:
         """KL of the source with every quantized linear rounded to nearest at ``config`` (no data)."""
-        from layercut.compress.core.arch import arch_for, target_linears
-        from layercut.compress.quant.solve.driver import linear_weight, set_weight
-        from layercut.compress.quant.solve.gptq import rtn_quantize
-
         model = self.model  # rounded in place, then the source's weights are put back
         spec = arch_for(model)
         saved = []

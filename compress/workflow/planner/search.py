@@ -48,8 +48,17 @@ import sys
 import time
 from pathlib import Path
 
+from layercut.calibrate.sources import TextSource
 from layercut.compress.core.errors import LayercutError
+from layercut.compress.core.hfconfig import is_quantized
+from layercut.compress.core.save import atomic_dir, check_output_dir
+from layercut.compress.depth.config import PruneConfig
+from layercut.compress.depth.prune import choose_layers
+from layercut.compress.io.models import load_tokenizer, resolve_model, weight_bytes
+from layercut.compress.quant.config import QuantizeConfig
 from layercut.compress.workflow.planner.config import PlanConfig
+from layercut.compress.workflow.planner.measure import KLJudge, decode_tokens_per_s, spearman
+from layercut.compress.workflow.planner.report import plot_pareto, table
 from layercut.compress.workflow.planner.space import (
     Candidate,
     Layout,
@@ -58,6 +67,13 @@ from layercut.compress.workflow.planner.space import (
     smallest_bytes,
     uniform_configs,
 )
+from layercut.compress.workflow.recipe import Recipe
+from layercut.compress.workflow.stages import export as export_stage
+from layercut.compress.workflow.stages import prune as prune_stage
+from layercut.compress.workflow.stages import quantize as quantize_stage
+from layercut.compress.workflow.stages.base import RunEnv
+from layercut.export.config import ExportConfig
+from layercut.export.export import probe_writable
 
 log = logging.getLogger("layercut.plan")
 
@@ -110,10 +126,6 @@ def _interp(x: float, points: list[tuple[float, float]]) -> float:
 def plan(config: PlanConfig, source: str, output: str | Path, progress: bool = True,
          overwrite: bool = False) -> dict:
     """Search, verify, write the winner into ``output``; returns the report (also ``plan.json``)."""
-    from layercut.compress.core.save import atomic_dir, check_output_dir
-    from layercut.compress.io.models import resolve_model
-    from layercut.export.export import is_quantized, probe_writable
-
     start = time.perf_counter()
     check_output_dir(output, overwrite)
     src = resolve_model(source)
@@ -138,10 +150,6 @@ def _say(progress: bool, text: str) -> None:
 
 def _search(config: PlanConfig, spec: str, src: Path, layout: Layout, req: dict, out: Path, progress: bool,
             start: float) -> dict:
-    from layercut.calibrate.sources import TextSource
-    from layercut.compress.io.models import load_tokenizer
-    from layercut.compress.workflow.planner.measure import KLJudge, spearman
-
     budget_s = config.budget_minutes * 60 if config.budget_minutes else math.inf
     work = out / ".work"
     work.mkdir()
@@ -189,8 +197,6 @@ def _search(config: PlanConfig, spec: str, src: Path, layout: Layout, req: dict,
         return c.calibrated_kl
 
     def verify(c: Candidate) -> float:  # run it for real; returns the re-learnt RTN -> GPTQ scale
-        from layercut.compress.io.models import weight_bytes
-
         t = time.perf_counter()
         c.path = _realize(config, c, cuts[c.drop], src, work / f"cand{len(verified)}", progress)
         c.measured_bytes = weight_bytes(c.path)
@@ -266,10 +272,6 @@ def _search(config: PlanConfig, spec: str, src: Path, layout: Layout, req: dict,
         raise LayercutError(f"plan: no verified candidate fits {_mb(target)} (measured "
                             f"{', '.join(_mb(c.measured_bytes) for c in verified)})")
     winner = min(fitting, key=lambda c: c.measured_kl)
-    from layercut.compress.workflow.recipe import Recipe
-    from layercut.compress.workflow.stages import export as export_stage
-    from layercut.compress.workflow.stages.base import RunEnv
-    from layercut.compress.workflow.stages.export import ExportConfig
 
     recipe = Recipe(model=spec, name=f"layercut plan: {winner.label} for {config.size}", seed=config.seed,
                     stages=_stages(config, winner, cuts[winner.drop]))
@@ -278,8 +280,6 @@ def _search(config: PlanConfig, spec: str, src: Path, layout: Layout, req: dict,
                      extra_files={"recipe.yaml": recipe.to_yaml()})
     speed = None
     if config.min_speedup is not None:
-        from layercut.compress.workflow.planner.measure import decode_tokens_per_s
-
         base = decode_tokens_per_s(src, tokenizer)
         cut = decode_tokens_per_s(cuts[winner.drop]["path"], tokenizer) if winner.drop else base
         mine = decode_tokens_per_s(out / "model", tokenizer)
@@ -322,7 +322,6 @@ def _search(config: PlanConfig, spec: str, src: Path, layout: Layout, req: dict,
         "timings": {k: round(v, 2) for k, v in timings.items()} | {"total_s": round(time.perf_counter() - start, 2)},
     }
     (out / "plan.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    from layercut.compress.workflow.planner.report import plot_pareto, table
 
     report["plot"] = plot_pareto(report, out / "plan.png")
     if progress:
@@ -343,8 +342,6 @@ def cut_bound(last_kl: float, quant_terms: list[float], kept: int, n: int) -> fl
 
 def _removed(scores: dict, d: int) -> list[int]:
     """The blocks the prune stage removes for cut ``d`` (block influence, block 0 kept), from ``scores``."""
-    from layercut.compress.depth.prune import choose_layers
-
     return choose_layers(None, None, "block", d, "block-influence", None, 1, False, keep_first=True,
                          scores=scores)[0]
 
@@ -357,8 +354,6 @@ def _cut(config: PlanConfig, spec: str, src: Path, d: int, work: Path, judge, pr
     n = judge.model.config.num_hidden_layers
     if d == 0:
         return {"kept": list(range(n)), "kl": 0.0, "removed": [], "path": src}
-    from layercut.compress.workflow.stages import prune as prune_stage
-    from layercut.compress.workflow.stages.base import RunEnv
 
     path = work / f"cut{d}"
     rep = prune_stage.run(_prune_config(config, d), src, path, RunEnv(progress=False), scores=scores)
@@ -370,15 +365,11 @@ def _cut(config: PlanConfig, spec: str, src: Path, d: int, work: Path, judge, pr
 
 
 def _prune_config(config: PlanConfig, d: int):
-    from layercut.compress.workflow.stages.prune import PruneConfig
-
     return PruneConfig(drop=d, select="block-influence", replace="lstsq", samples=config.prune_samples,
                        seq_len=config.seq_len, calib=config.calib)
 
 
 def _quantize_config(config: PlanConfig, c: Candidate):
-    from layercut.compress.quant.config import QuantizeConfig
-
     common = dict(samples=config.samples, seq_len=config.seq_len, seed=config.seed, calib=config.calib)
     if c.quant == "uniform":
         return QuantizeConfig(bits=c.bits, group_size=c.group_size, **common)
@@ -387,8 +378,6 @@ def _quantize_config(config: PlanConfig, c: Candidate):
 
 
 def _stages(config: PlanConfig, c: Candidate, cut: dict) -> list:
-    from layercut.compress.workflow.stages.export import ExportConfig
-
     stages = [_prune_config(config, c.drop)] if c.drop else []
     if c.quant == "dense":
         return stages + [ExportConfig(save_dtype="bf16")]
@@ -397,11 +386,6 @@ def _stages(config: PlanConfig, c: Candidate, cut: dict) -> list:
 
 def _realize(config: PlanConfig, c: Candidate, cut: dict, src: Path, path: Path, progress: bool) -> Path:
     """Write candidate ``c`` for real: quantize the cut, or export it in bf16."""
-    from layercut.compress.workflow.stages import export as export_stage
-    from layercut.compress.workflow.stages import quantize as quantize_stage
-    from layercut.compress.workflow.stages.base import RunEnv
-    from layercut.compress.workflow.stages.export import ExportConfig
-
     env = RunEnv(progress=False)
     if c.quant == "dense":
         export_stage.run(ExportConfig(save_dtype="bf16", card=False), cut["path"], path, env)

@@ -28,7 +28,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from layercut.compress.core.arch import target_linears
 from layercut.compress.core.units import parse_size
+from layercut.compress.io.lazy import LazyModel
+from layercut.compress.quant.solve.driver import linear_weight
 
 ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                  "BOOL": 1}
@@ -90,10 +93,6 @@ class Layout:
     @classmethod
     def of(cls, path: str | Path) -> Layout:
         """Read ``path``'s layout from its headers and a meta-device skeleton (no weights)."""
-        from layercut.compress.core.arch import target_linears
-        from layercut.compress.io.lazy import LazyModel
-        from layercut.compress.quant.solve.driver import linear_weight
-
         lazy = LazyModel(path)
         spec, prefix = lazy.spec, lazy.spec.layers_path()
         order: list[tuple[int | None, Tensor]] = []

@@ -7,10 +7,11 @@ Usage::
 
 Every stage has one ``<Name>Config`` (a :class:`~layercut.compress.options.StageConfig`:
 the CLI flags, the recipe keys and the Python options all come from it), kept beside its
-algorithm (``CONFIG_HOMES``), and its stage module has
-``run(config, source, output, env=None) -> report``; where a stage can work in memory it
-also has ``<stage>_model(model, tokenizer, config)``. Importing this package or a stage
-module does not import torch (``layercut --help`` stays fast).
+algorithm and imported here (``CONFIGS``: the one table of the stages and their configs), and
+its stage module has ``run(config, source, output, env=None) -> report``; where a stage can
+work in memory it also has ``<stage>_model(model, tokenizer, config)``. Importing this package
+does not import torch (the configs are torch-free, so ``layercut --help`` stays fast); a stage
+module does, and loads only when its stage runs (:func:`stage_module`).
 """
 
 from __future__ import annotations
@@ -18,27 +19,29 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from layercut.compress.depth.config import PruneConfig
+from layercut.compress.eval.config import EvalConfig
 from layercut.compress.options import StageConfig
+from layercut.compress.quant.config import QuantizeConfig
+from layercut.compress.select.config import ScoreConfig
+from layercut.export.config import ExportConfig
+from layercut.heal.config import HealConfig
 
-# in pipeline order; `layercut --help` lists them so
-STAGES = ("score", "prune", "heal", "quantize", "export", "eval")
-# Each stage's config lives beside its algorithm: reading a recipe never imports a stage module.
-CONFIG_HOMES = {"score": "layercut.compress.select.config:ScoreConfig",
-                "prune": "layercut.compress.depth.config:PruneConfig",
-                "heal": "layercut.heal.config:HealConfig",
-                "quantize": "layercut.compress.quant.config:QuantizeConfig",
-                "export": "layercut.export.config:ExportConfig",
-                "eval": "layercut.compress.eval.config:EvalConfig"}
+__all__ = ["CONFIGS", "STAGES", "EvalConfig", "ExportConfig", "HealConfig", "PruneConfig", "QuantizeConfig",
+           "ScoreConfig", "config_types", "stage_module"]
+
+# Stage name -> its config class, in pipeline order (`layercut --help` lists them so). Each config
+# lives beside its algorithm: reading a recipe or building the CLI never imports a stage module.
+CONFIGS: dict[str, type[StageConfig]] = {"score": ScoreConfig, "prune": PruneConfig, "heal": HealConfig,
+                                          "quantize": QuantizeConfig, "export": ExportConfig, "eval": EvalConfig}
+STAGES = tuple(CONFIGS)
 
 
 def stage_module(name: str) -> ModuleType:
+    """The stage module of ``name`` (its ``run``), imported on first use: it imports torch."""
     return importlib.import_module(f"layercut.compress.workflow.stages.{name}")
 
 
 def config_types() -> dict[str, type[StageConfig]]:
-    """Stage name -> its config class (imported from its home, not from the stage module)."""
-    out = {}
-    for name in STAGES:
-        module, _, cls = CONFIG_HOMES[name].partition(":")
-        out[name] = getattr(importlib.import_module(module), cls)
-    return out
+    """Stage name -> its config class (a copy of ``CONFIGS``)."""
+    return dict(CONFIGS)

@@ -9,6 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.core.hfconfig import is_quantized
+from layercut.compress.io.lazy import LazyModel, stream_blocker
+from layercut.compress.io.models import resolve_model
 from layercut.compress.options import SOURCE, torch_dtype
 
 
@@ -30,9 +34,6 @@ class RunEnv:
 
     def resolve(self, spec: str | None, what: str) -> Path | None:
         """A model option: ``source`` -> the run's source model, a spec -> its path, None -> None."""
-        from layercut.compress.core.errors import LayercutError
-        from layercut.compress.io.models import resolve_model
-
         if spec is None:
             return None
         if spec == SOURCE:
@@ -97,14 +98,11 @@ def load_streamed(path: Path, dtype: str, env: RunEnv, whole_model: bool, what: 
 
     if whole_model:
         return None
-    from layercut.compress.io.lazy import stream_blocker
 
     reason = stream_blocker(path, quantized=quantized)
     if reason is not None:
         logging.getLogger(f"layercut.{what}").info("%s: loading the whole model (%s)", what, reason)
         return None
-    from layercut.compress.io.lazy import LazyModel
-    from layercut.export.export import is_quantized
 
     stored = quantized and dtype == "auto" and is_quantized(path)
     return LazyModel(path, storage_dtype=None if stored else torch_dtype(dtype, path),

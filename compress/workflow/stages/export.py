@@ -5,8 +5,9 @@ Run it::
     layercut export runs/demo -o release                       # a run dir: its final model, card, report
     layercut export runs/demo/03-quantize/model -o dense --dequantize
 
-    from layercut.compress.workflow.stages.export import ExportConfig, run
+    from layercut.compress.workflow.stages.export import ExportConfig, export_model, run
     run(ExportConfig(save_dtype="bf16"), "pruned/", "release/")
+    export_model(model, tokenizer, ExportConfig(save_dtype="bf16"), "release/")     # in memory
 
 Writes atomically (nothing is left at the output on any error); the format is
 :mod:`layercut.export.export`'s. Given a layercut run directory, exports its final model with the
@@ -18,18 +19,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from layercut.compress.workflow.stages.base import RunEnv
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.core.hfconfig import is_quantized
+from layercut.compress.core.save import atomic_dir, check_output_dir, write_checkpoint_into
+from layercut.compress.io.models import resolve_model
+from layercut.compress.workflow.stages.base import RunEnv, quality_report
+from layercut.export.card import card_files
 from layercut.export.config import ExportConfig
+from layercut.export.export import DTYPES, ensure_index, export_checkpoint
 
 
 def run(config: ExportConfig, source: str | Path, output: str | Path, env: RunEnv | None = None,
         extra_files: dict[str, str | bytes] | None = None) -> dict:
     """Export ``source`` (a checkpoint, or a layercut run directory) to ``output``; returns a report."""
-    from layercut.compress.io.models import resolve_model
-    from layercut.compress.workflow.stages.base import quality_report
-    from layercut.export.card import card_files
-    from layercut.export.export import export_checkpoint, is_quantized
-
     env = env or RunEnv()
     src = Path(source).expanduser()
     report = run_dir_report(src) if src.is_dir() else None
@@ -47,8 +49,6 @@ def run(config: ExportConfig, source: str | Path, output: str | Path, env: RunEn
             if (model / name).is_file():
                 extra[name] = (model / name).read_bytes()
     if env.run_dir is not None and config.format != "safetensors":
-        from layercut.compress.core.errors import LayercutError
-
         raise LayercutError(f"export format '{config.format}' is for `layercut export`, not a recipe's export "
                             f"stage: export the run's model afterwards with --format {config.format}")
     # the card's loading snippets are for safetensors checkpoints: none for GGUF / compressed-tensors
@@ -68,10 +68,35 @@ def run(config: ExportConfig, source: str | Path, output: str | Path, env: RunEn
     return result.to_dict()
 
 
+def export_model(model, tokenizer, config: ExportConfig, output: str | Path, overwrite: bool = False) -> Path:
+    """Write an in-memory model as a checkpoint (sharded safetensors + index), atomically; returns its path.
+
+    ``config.save_dtype`` casts what is written, not the caller's model: its tensors and dtype are
+    put back afterwards, even on an error.
+    """
+    check_output_dir(output, overwrite)
+    params = {n: p.data for n, p in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+    dtype = model.config.dtype
+    if config.save_dtype is not None:
+        model.to(DTYPES[config.save_dtype])
+        model.config.dtype = DTYPES[config.save_dtype]
+    try:
+        with atomic_dir(output, overwrite) as tmp:
+            write_checkpoint_into(model, tokenizer, tmp, config.max_shard_size)
+            ensure_index(tmp)
+    finally:
+        for name, param in model.named_parameters():
+            param.data = params[name]
+        for name, buf in buffers.items():
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner)._buffers[attr] = buf
+        model.config.dtype = dtype
+    return Path(output)
+
+
 def run_dir_report(path: Path) -> dict | None:
     """The report of a layercut run directory (``report.json`` + ``recipe.yaml``), else None."""
-    from layercut.compress.core.errors import LayercutError
-
     report_file = path / "report.json"
     if not (path / "recipe.yaml").is_file() or not report_file.is_file():
         return None

@@ -28,8 +28,17 @@ import logging
 from pathlib import Path
 
 from layercut.compress.core.devices import on_device
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.core.save import check_output_dir
+from layercut.compress.io.models import load_model, load_tokenizer, resolve_model
+from layercut.compress.options import torch_dtype
 from layercut.compress.workflow.stages.base import RunEnv, strip_volatile
 from layercut.heal.config import HealConfig
+from layercut.heal.data import distill_target, heal_data
+from layercut.heal.lora import check_dims, check_tokenizers
+from layercut.heal.scales import tune_scales
+from layercut.heal.state import default_state_dir
+from layercut.heal.train import heal_model
 
 log = logging.getLogger("layercut.heal")
 def _train_dtype(name: str, path):
@@ -38,8 +47,6 @@ def _train_dtype(name: str, path):
     import json
 
     import torch
-
-    from layercut.compress.options import torch_dtype
 
     dtype = torch_dtype(name, path)
     if name == "auto" and (dtype == torch.float16 or "quantization_config" in json.loads(
@@ -62,14 +69,6 @@ def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv 
     Returns the report; ``heal.json`` in the checkpoint holds it without timings or paths.
     """
     from transformers import AutoConfig
-
-    from layercut.compress.core.errors import LayercutError
-    from layercut.compress.core.save import check_output_dir
-    from layercut.compress.io.models import load_model, load_tokenizer, resolve_model
-    from layercut.heal.data import distill_target, heal_data
-    from layercut.heal.lora import check_dims, check_tokenizers
-    from layercut.heal.state import default_state_dir
-    from layercut.heal.train import heal_model
 
     env = env or RunEnv()
     out = check_output_dir(output, env.overwrite)
@@ -98,8 +97,6 @@ def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv 
         gc.collect()
     student, _ = load_model(student_path, dtype=_train_dtype(config.dtype, student_path), trust_remote_code=trust)
     if config.method == "scales":
-        from layercut.heal.scales import tune_scales
-
         result = tune_scales(student, teacher, tokenizer, config, student_path, out_dir=out, progress=env.progress,
                              data=data, overwrite=env.overwrite)
     else:

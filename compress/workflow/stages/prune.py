@@ -22,11 +22,23 @@ import logging
 import time
 from pathlib import Path
 
+from layercut.calibrate.data import calibration_batch
+from layercut.compress.core.arch import arch_for, count_params
 from layercut.compress.core.devices import on_device
-from layercut.compress.core.errors import LayercutError
-from layercut.compress.depth.config import PruneConfig
-from layercut.compress.depth.plan import PrunePlan
-from layercut.compress.workflow.stages.base import RunEnv, strip_volatile
+from layercut.compress.core.errors import LayercutError, format_error
+from layercut.compress.core.save import atomic_dir, check_output_dir, write_checkpoint_into
+from layercut.compress.depth.config import PruneConfig, parse_layers
+from layercut.compress.depth.plan import PrunePlan, removed_params
+from layercut.compress.depth.prune import check_against_model, choose_layers, transform_name
+from layercut.compress.depth.prune import prune_model as transform
+from layercut.compress.depth.replace import fit_linear_maps
+from layercut.compress.depth.stream_drop import map_edits, write_without_blocks
+from layercut.compress.depth.sublayers import sublayer_readme
+from layercut.compress.io.models import load_model, load_tokenizer, resolve_model
+from layercut.compress.options import torch_dtype
+from layercut.compress.select.driver import LayerScores
+from layercut.compress.select.plot import plot_scores
+from layercut.compress.workflow.stages.base import RunEnv, load_streamed, strip_volatile
 
 log = logging.getLogger("layercut.prune")
 PRUNE_VERSION = 1
@@ -42,11 +54,6 @@ def choose(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
     ``scores``: an earlier plan's block scores (``PrunePlan.scores``, same model and
     calibration) to select from without scoring again.
     """
-    from layercut.calibrate.data import calibration_batch
-    from layercut.compress.core.arch import arch_for, count_params
-    from layercut.compress.depth.plan import removed_params
-    from layercut.compress.depth.prune import check_against_model, choose_layers, parse_layers, transform_name
-
     picked = parse_layers(config.layers)
     count = config.count(len(arch_for(model).layers_of(model)))
     count = count if count is not None else len(picked)
@@ -74,9 +81,6 @@ def choose(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
 def apply(model, tokenizer, config: PruneConfig, model_dir: Path | None = None,
           progress: bool = True, scores: dict | None = None) -> tuple[object, dict]:
     """The shared core: plan the cut and transform ``model`` in place; returns (model, report)."""
-    from layercut.compress.core.arch import count_params
-    from layercut.compress.depth.prune import prune_model as transform
-
     plan = choose(model, tokenizer, config, model_dir, progress, scores)
     replace = config.replace
     extra = {"stream": config.stream, "alpha": config.alpha} if replace != "none" else {}
@@ -102,11 +106,6 @@ def _run_streamed(lazy, config: PruneConfig, model_dir: Path, output: str | Path
                   scores: dict | None = None) -> dict:
     """Block drop / linear replacement with one block in memory: select and fit over the lazy driver,
     then copy the checkpoint tensor by tensor (kept dtype), folding the maps in on the way."""
-    from layercut.compress.core.save import atomic_dir
-    from layercut.compress.depth.replace import fit_linear_maps
-    from layercut.compress.depth.stream_drop import map_edits, write_without_blocks
-    from layercut.compress.io.models import load_tokenizer
-
     tokenizer = load_tokenizer(model_dir, env.trust_remote_code)
     plan = choose(lazy.model, tokenizer, config, model_dir, env.progress, scores)
     details, edits = {}, None
@@ -136,12 +135,6 @@ def run(config: PruneConfig, source: str | Path, output: str | Path, env: RunEnv
     ``scores``: block scores of an earlier run on the same source and calibration (the
     report's ``scores``, see :func:`choose`): selection reuses them instead of scoring.
     """
-    from layercut.compress.core.save import atomic_dir, check_output_dir, write_checkpoint_into
-    from layercut.compress.depth.sublayers import sublayer_readme
-    from layercut.compress.io.models import load_model, resolve_model
-    from layercut.compress.options import torch_dtype
-    from layercut.compress.workflow.stages.base import load_streamed
-
     env = env or RunEnv()
     if output is not None or not env.dry_run:
         check_output_dir(output, env.overwrite)
@@ -173,10 +166,6 @@ def run(config: PruneConfig, source: str | Path, output: str | Path, env: RunEnv
 def _dry_run(config: PruneConfig, model_dir: Path, source, output, env: RunEnv, start: float) -> dict:
     """The plan a run would execute; nothing is written. The model is read lazily where it
     can be (scoring then streams one block at a time), else whole."""
-    from layercut.compress.io.models import load_model, load_tokenizer
-    from layercut.compress.options import torch_dtype
-    from layercut.compress.workflow.stages.base import load_streamed
-
     lazy = load_streamed(model_dir, config.dtype, env, False, "prune")
     if lazy is not None:
         model = lazy.model
@@ -190,8 +179,6 @@ def _dry_run(config: PruneConfig, model_dir: Path, source, output, env: RunEnv, 
 
 
 def _plot(report: dict, config: PruneConfig, path: Path) -> None:
-    from layercut.compress.select import LayerScores, plot_scores
-
     layers = report["layers"]
     highlight = layers if config.select and not config.select.startswith("angular") else layers[:1]
     scores = report["scores"]  # the angular panel's x axis is the span start: highlight only it
@@ -208,8 +195,6 @@ def prune(model_spec: str, output: str | Path | None, *, overwrite: bool = False
     plan (layers, transform, parameters after) and write nothing; ``output`` may then be None.
     """
     from pydantic import ValidationError
-
-    from layercut.compress.core.errors import format_error
 
     try:
         config = PruneConfig(**options)

@@ -6,11 +6,21 @@ Run it::
     layercut quantize MODEL -o mix --avg-bits 3.5                       # default candidate pairs
     layercut quantize MODEL -o mix --avg-bits 3.5 --candidates 3g64,3g128,4g64,4ch,8ch
     layercut quantize UNTIED -o q4h8 --bits 4 --quantize-head 8g128       # + the untied head (quant/solve/head.py)
+    layercut quantize MODEL --bits 4 --dry-run                          # the plan, one table; nothing written
 
     from layercut.compress.quant.config import QuantizeConfig
     from layercut.compress.workflow.stages.quantize import quantize_model, run
     run(QuantizeConfig(bits=4), "bundled:smollm2-135m", "q4")
     model = quantize_model(model, tokenizer, QuantizeConfig(bits=4))   # in memory (weights fake-quantized)
+
+Every run builds one :class:`~layercut.compress.quant.plan.QuantPlan` from the config and the model
+(:func:`~layercut.compress.quant.plan.build_plan`: the resolved group size, each linear's (bits, group
+size), the head, the solver's settings; checked before any work) and runs it with one executor,
+:func:`execute`, into one of two sinks: :class:`MemorySink` (in place; :func:`quantize_model`
+returns the model, :func:`run` writes it whole afterwards) or :class:`StreamSink` (a lazily loaded
+model, each block written as it is quantized). ``--dry-run`` prints the plan instead;
+``quantize.json`` (:func:`checkpoint_files`, its one writer) stores the executed plan, and
+``layercut run --resume`` compares it with the plan of the resumed recipe (:func:`check_resume`).
 
 Writes a GPTQ v1 checkpoint (:mod:`layercut.compress.quant.format.checkpoint`). With ``avg_bits`` each unit
 (a fused group qkv / o / gate_up / down with ``unit="group"``, the default, or a decoder
@@ -41,96 +51,172 @@ measured swaps; its baseline pass is the fallback check's uniform baseline.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from pydantic import ValidationError
+
+from layercut.calibrate.data import calibration_batch
 from layercut.compress.core.devices import on_device, resolve_device
-from layercut.compress.core.errors import LayercutError
+from layercut.compress.core.distributed import (
+    Group,
+    process_group,
+    same_on_every_rank,
+    tensor_digest,
+    world_from_env,
+)
+from layercut.compress.core.errors import LayercutError, format_error
+from layercut.compress.core.hfconfig import is_quantized
+from layercut.compress.core.save import atomic_dir, check_output_dir
+from layercut.compress.core.shards import ShardWriter
+from layercut.compress.io.models import load_model, load_tokenizer, resolve_model
+from layercut.compress.options import torch_dtype
 from layercut.compress.quant.config import QuantizeConfig
-from layercut.compress.workflow.stages.base import RunEnv, strip_volatile
+from layercut.compress.quant.format.checkpoint import (
+    discard_block,
+    write_block_fn,
+    write_quantized_into,
+    write_rest,
+)
+from layercut.compress.quant.format.result import QuantizeResult
+from layercut.compress.quant.plan import QuantPlan, build_plan, plan_from_facts
+from layercut.compress.quant.search.allocate import Allocation, candidate_label, plot_allocation
+from layercut.compress.quant.search.mixed_run import quantize_mixed
+from layercut.compress.quant.search.mixed_stream import StreamedOutputs
+from layercut.compress.quant.solve.driver import quantize_model as quantize_linears
+from layercut.compress.workflow.stages.base import RunEnv, load_streamed, strip_volatile
 
-if TYPE_CHECKING:  # torch-free at import, as the other stage modules
-    from layercut.compress.core.distributed import Group
+log = logging.getLogger("layercut.quantize")
 
 
-def apply(net, tokenizer, config: QuantizeConfig, seed: int, progress: bool = True, after_block=None,
-          stream=None, group: Group | None = None, calib=None):
-    """The shared core: choose (bits, group size) per unit (with ``avg_bits``) and quantize ``net`` in place.
+# ------------------------------------------------------------------ the executor
 
-    Returns (QuantizeResult, report, allocation or None, allocation.json text or None); the
-    allocation is None for uniform bits and when the fallback check kept the uniform baseline.
-    ``stream``: a :class:`layercut.compress.quant.search.mixed_stream.StreamedOutputs` when ``net`` is a lazily
-    loaded model and ``avg_bits`` is set: the mixed (and uniform) checkpoints are written block
-    by block there and the fallback check streams; ``stream.keep`` is left to the caller.
-    ``group`` (under torchrun, uniform bits only): this process's place; ``calib``: the calibration
-    set already drawn (the same on every rank), else drawn here.
+
+@dataclass
+class Executed:
+    """What :func:`execute` did."""
+
+    plan: QuantPlan  # every linear's pair known: for avg_bits, the pairs that are written
+    result: QuantizeResult  # what is written (for avg_bits: the mixed allocation, or the uniform baseline)
+    report: dict
+    alloc: Allocation | None  # avg_bits, when the mixed allocation is written; else None
+    allocation: str | None  # allocation.json's text (avg_bits)
+
+
+class MemorySink:
+    """Quantize in memory: each linear's weight becomes its dequantized weight in place (the model
+    stays a plain model whose forward is what the checkpoint decodes to). :meth:`write` writes the
+    quantized model into a checkpoint folder afterwards (the whole-model path of :func:`run`)."""
+
+    stream = None
+
+    def after_block(self):
+        return None
+
+    def write(self, executed: Executed, net, tokenizer, folder: Path, config: QuantizeConfig) -> None:
+        write_quantized_into(net, tokenizer, executed.result, folder, dtype=torch_dtype(config.save_dtype),
+                             extra_files=checkpoint_files(executed))
+        _plot(executed, folder, config)
+
+
+class StreamSink:
+    """Stream into a checkpoint: one decoder block of a lazily loaded model in memory, written (and
+    freed) as soon as it is quantized; :meth:`write` adds the rest once all blocks are done. Uniform
+    bits write one checkpoint; ``avg_bits`` the mixed and uniform candidates as they go
+    (:class:`~layercut.compress.quant.search.mixed_stream.StreamedOutputs`), keeping the one the run
+    writes. ``folder`` None: the blocks are quantized alike and dropped (torchrun ranks other than 0)."""
+
+    def __init__(self, lazy, folder: Path | None, config: QuantizeConfig):
+        self.lazy, self.folder, self.config = lazy, folder, config
+        self.save_dtype = torch_dtype(config.save_dtype)
+        mixed = config.avg_bits is not None
+        self.stream = StreamedOutputs(lazy, folder, self.save_dtype) if mixed and folder is not None else None
+        self.writer = ShardWriter(folder, "2GB", always_index=True) if not mixed and folder is not None else None
+
+    def after_block(self):
+        if self.folder is None:
+            return discard_block
+        return None if self.writer is None else write_block_fn(self.lazy, self.writer, self.save_dtype)
+
+    def write(self, executed: Executed) -> None:
+        if self.folder is None:
+            return
+        files = checkpoint_files(executed)
+        if self.stream is None:
+            write_rest(self.lazy, executed.result, self.writer, self.folder, self.save_dtype, files)
+            return
+        self.stream.keep(executed.report["written"])
+        for name, text in files.items():
+            (self.folder / name).write_text(text)
+        _plot(executed, self.folder, self.config)
+
+
+def execute(plan: QuantPlan, net, tokenizer, config: QuantizeConfig, sink: MemorySink | StreamSink,
+            progress: bool = True, group: Group | None = None, calib=None) -> Executed:
+    """The one executor: quantize ``net`` in place as ``plan`` says (uniform bits: one pass at the
+    plan's pairs; ``avg_bits``: the sensitivity pass, the allocation, the quantize passes and the
+    fallback check, :func:`~layercut.compress.quant.search.mixed_run.quantize_mixed`), handing each
+    quantized block to ``sink``. ``plan`` is :func:`~layercut.compress.quant.plan.build_plan`'s for
+    ``config`` and ``net``. ``group`` (under torchrun, uniform bits only): this process's place;
+    ``calib``: the calibration set already drawn (the same on every rank), else drawn here.
     """
-    from dataclasses import replace
-
-    from layercut.calibrate.data import calibration_batch
-    from layercut.compress.quant.search.allocate import candidate_label
-    from layercut.compress.quant.solve.driver import check_model, quantize_model
-
-    auto_gs = config.group_size is None
-    if auto_gs:  # the default: resolved from this model's input sizes
-        from layercut.compress.quant.solve.driver import auto_group_size
-
-        config = config.model_copy(update={"group_size": auto_group_size(net)})
-    cfg, gs = config.core(), config.group_size
-    cfg.check()
-    mixed = config.avg_bits is not None
-    check_model(net, replace(cfg, group_size=-1) if mixed else cfg)  # mixed: group sizes are checked per unit
-    head = config.head_pair()
-    if head is not None:
-        from layercut.compress.quant.solve.head import check_head
-
-        report_head = {"module": check_head(net, *head), "bits": head[0], "group_size": head[1]}
     device = resolve_device(config.device)
-    sym = "symmetric" if config.sym else "asymmetric"
-    report: dict = {"method": config.method, "group_size": gs, "group_size_from": "default" if auto_gs else "given",
-                    "sym": config.sym, "act_order": config.act_order,
-                    "static_groups": config.static_groups, "group_aware": config.group_aware,
-                    "sequential": config.sequential, "damp": config.damp, "solve_dtype": config.solve_dtype,
-                    "scale_search": cfg.scale_search,
-                    **({"scale_grid": [cfg.scale_min, cfg.scale_steps], "scale_bounds": cfg.scale_bounds}
-                       if cfg.scale_search != "none" else {}),
-                    "refit_scales": cfg.refit_scales,
-                    **({"block_tune": {"steps": cfg.tune.steps, "batch": cfg.tune.batch, "lr": cfg.tune.lr, "scale_lr": cfg.tune.scale_lr,
-                                       "target": cfg.tune.target, "loss": cfg.tune.loss}} if cfg.tune is not None else {}),
-                    "calib": config.text_label(),
-                    "samples": config.samples, "seq_len": config.seq_len}
-    if not mixed:
-        if calib is None:
-            calib = calibration_batch(tokenizer, config.text_sources(), samples=config.samples,
-                                      seq_len=config.seq_len, seed=seed)
-        result = quantize_model(net, calib if config.method == "gptq" else None, cfg, batch_size=config.batch_size,
-                                device=device, progress=progress, after_block=after_block, head=head, group=group)
-        report.update(bits=config.bits, avg_bits=result.avg_bits(), quantize_seconds=result.seconds,
-                      solve_seconds=result.solve_seconds, linears=len(result.body()), tokens=result.tokens,
-                      bits_per_layer={"all linears": config.bits},
-                      description=f"{config.method.upper()}{' + block tuning' if cfg.tune else ''} ({sym}, group "
-                                  f"size {gs}), {config.bits} bits,")
-        if result.tune_reports:
-            report["block_tune"].update(tune_summary(result.tune_reports))
-        if head is not None:  # the report and the card say the head is quantized, and how
-            q = result.layers[result.head]
-            report_head["avg_bits"] = q.stored_bits / (q.in_features * q.out_features)
-            label = candidate_label(head)
-            report.update(head=report_head, bits_per_layer={"all linears": config.bits, result.head: label},
-                          description=f"{config.method.upper()} ({sym}, group size {gs}), {config.bits} bits; "
-                                      f"output head {result.head} {label} ({report_head['avg_bits']:.2f} bits per "
-                                      "weight); decoder blocks:")
-        return result, report, None, None
+    s, gs = plan.solver, plan.group_size
+    sym = "symmetric" if s.sym else "asymmetric"
+    report: dict = {"method": s.method, "group_size": gs, "group_size_from": plan.group_size_from,
+                    "sym": s.sym, "act_order": s.act_order, "static_groups": s.static_groups,
+                    "group_aware": s.group_aware, "sequential": s.sequential, "damp": s.damp,
+                    "solve_dtype": s.solve_dtype, "scale_search": s.scale_search,
+                    **({"scale_grid": [s.scale_min, s.scale_steps], "scale_bounds": s.scale_bounds}
+                       if s.scale_search != "none" else {}),
+                    "refit_scales": s.refit_scales,
+                    **({"block_tune": {"steps": s.tune.steps, "batch": s.tune.batch, "lr": s.tune.lr,
+                                       "scale_lr": s.tune.scale_lr, "target": s.tune.target, "loss": s.tune.loss}}
+                       if s.tune is not None else {}),
+                    "calib": config.text_label(), "samples": config.samples, "seq_len": config.seq_len}
+    if plan.avg_bits is not None:
+        mixed_run = quantize_mixed(net, tokenizer, config, plan, config.seed, device, progress, sink.stream)
+        report.update(mixed_run.report)
+        return Executed(plan.with_pairs(mixed_run.result.configs()), mixed_run.result, report, mixed_run.alloc,
+                        json.dumps(strip_volatile(mixed_run.allocation), indent=2) + "\n")
+    if calib is None:
+        calib = calibration_batch(tokenizer, config.text_sources(), samples=config.samples, seq_len=config.seq_len,
+                                  seed=config.seed)
+    result = quantize_linears(net, calib if s.method == "gptq" else None, s, plan.pairs(),
+                              batch_size=config.batch_size, device=device, progress=progress,
+                              after_block=sink.after_block(), head=plan.head, group=group)
+    report.update(bits=plan.bits, avg_bits=result.avg_bits(), quantize_seconds=result.seconds,
+                  solve_seconds=result.solve_seconds, linears=len(result.body()), tokens=result.tokens,
+                  bits_per_layer={"all linears": plan.bits},
+                  description=f"{s.method.upper()}{' + block tuning' if s.tune else ''} ({sym}, group "
+                              f"size {gs}), {plan.bits} bits,")
+    if result.tune_reports:
+        report["block_tune"].update(tune_summary(result.tune_reports))
+    if plan.head is not None:  # the report and the card say the head is quantized, and how
+        q = result.layers[result.head]
+        head = {"module": plan.output_head.name, "bits": plan.head[0], "group_size": plan.head[1],
+                "avg_bits": q.stored_bits / (q.in_features * q.out_features)}
+        label = candidate_label(plan.head)
+        report.update(head=head, bits_per_layer={"all linears": plan.bits, result.head: label},
+                      description=f"{s.method.upper()} ({sym}, group size {gs}), {plan.bits} bits; "
+                                  f"output head {result.head} {label} ({head['avg_bits']:.2f} bits per "
+                                  "weight); decoder blocks:")
+    return Executed(plan, result, report, None, None)
 
-    from layercut.compress.quant.search.mixed_run import quantize_mixed
 
-    mixed_run = quantize_mixed(net, tokenizer, config, cfg, seed, device, progress, stream)
-    report.update(mixed_run.report)
-    return (mixed_run.result, report, mixed_run.alloc,
-            json.dumps(strip_volatile(mixed_run.allocation), indent=2) + "\n")
+def checkpoint_files(executed: Executed) -> dict[str, str]:
+    """The stage's own files in the checkpoint (the one writer of ``quantize.json``): the report
+    without timings and paths, plus the executed ``plan`` (:meth:`QuantPlan.to_dict`; a resumed run
+    compares it, :func:`check_resume`); with ``avg_bits`` also ``allocation.json``."""
+    report = {**strip_volatile(executed.report), "plan": executed.plan.to_dict()}
+    files = {"quantize.json": json.dumps(report, indent=2, default=str) + "\n"}
+    if executed.allocation is not None:
+        files["allocation.json"] = executed.allocation
+    return files
 
 
 def tune_summary(reports: dict) -> dict:
@@ -143,89 +229,64 @@ def tune_summary(reports: dict) -> dict:
             "codes_moved": sum(r.codes_changed for r in rs) / max(1, len(rs))}
 
 
+# ------------------------------------------------------------------ entry points
+
+
 def quantize_model(model, tokenizer, config: QuantizeConfig, progress: bool = True):
     """Quantize an in-memory model: each linear's weight becomes its dequantized GPTQ weight (in place).
 
     The model stays a plain model whose forward is what the checkpoint would decode to;
     :func:`run` writes the packed checkpoint instead.
     """
-    apply(model, tokenizer, config, config.seed, progress)
+    execute(build_plan(config, model), model, tokenizer, config, MemorySink(), progress)
     return model
 
 
 @on_device
-def run(config: QuantizeConfig, source: str | Path, output: str | Path, env: RunEnv | None = None) -> dict:
+def run(config: QuantizeConfig, source: str | Path, output: str | Path | None, env: RunEnv | None = None) -> dict:
     """Quantize ``source`` into a GPTQ v1 checkpoint at ``output``; returns the report.
 
     Report: achieved average bits, per-unit bits, timings; ``quantize.json`` in the
-    checkpoint holds the same minus timings and paths.
+    checkpoint holds the same minus timings and paths, plus the plan. ``env.dry_run``: build and
+    return the plan (:meth:`QuantPlan.rows`), quantize nothing, write nothing (``output`` may be None).
     """
-    from layercut.compress.core.distributed import same_on_every_rank, world_from_env
-    from layercut.compress.core.errors import LayercutError
-    from layercut.compress.core.save import atomic_dir, check_output_dir
-    from layercut.compress.io.models import load_model, resolve_model
-    from layercut.compress.options import torch_dtype
-    from layercut.compress.quant.format.checkpoint import write_quantized_into
-    from layercut.compress.workflow.stages.base import load_streamed
-    from layercut.export.export import is_quantized
-
     env = env or RunEnv()
     with same_on_every_rank():  # under torchrun every process checks; rank 0 alone prints the error
-        config.core().check()
-        check_output_dir(output, env.overwrite)
+        if output is not None or not env.dry_run:
+            check_output_dir(output, env.overwrite)
         path = resolve_model(source)
         if is_quantized(path):
             raise LayercutError(f"quantize: {path} is already quantized (config.json has a quantization_config); "
                                 "quantize the dense original")
     start = time.perf_counter()
+    if env.dry_run:
+        return _dry_run(config, path, source, output, env, start)
     if world_from_env()[1] > 1:  # torchrun: data-parallel calibration (docs/architecture.md)
         return _run_shared(config, source, path, output, env, start)
     streamable = config.avg_bits is None or config.sensitivity != "kl"  # the exact KL needs the whole model
     lazy = load_streamed(path, config.dtype, env, config.whole_model or not streamable, "quantize")
     if lazy is not None:  # one block in memory: quantized, written and freed at its turn
+        tokenizer = load_tokenizer(path, env.trust_remote_code)
         with atomic_dir(output, env.overwrite) as tmp:
-            report = _run_streamed(lazy, path, config, Path(tmp), env)
-        return {"model": str(source), "output": str(output), **report, "seconds": time.perf_counter() - start}
-    net, tokenizer = load_model(path, dtype=torch_dtype(config.dtype, path), trust_remote_code=env.trust_remote_code)
-    result, report, alloc, alloc_json = apply(net, tokenizer, config, config.seed, env.progress)
-    extra: dict[str, str | bytes] = {"quantize.json": json.dumps(strip_volatile(report), indent=2, default=str) + "\n"}
-    if alloc_json is not None:
-        extra["allocation.json"] = alloc_json
-    with atomic_dir(output, env.overwrite) as tmp:
-        write_quantized_into(net, tokenizer, result, Path(tmp), dtype=torch_dtype(config.save_dtype),
-                             extra_files=extra)
-        if alloc is not None:
-            _plot(alloc, Path(tmp), config, report)
-    return {"model": str(source), "output": str(output), **report, "seconds": time.perf_counter() - start}
+            executed = _stream_into(lazy, tokenizer, config, Path(tmp), env.progress)
+    else:
+        net, tokenizer = load_model(path, dtype=torch_dtype(config.dtype, path),
+                                    trust_remote_code=env.trust_remote_code)
+        sink = MemorySink()
+        executed = execute(build_plan(config, net), net, tokenizer, config, sink, env.progress)
+        with atomic_dir(output, env.overwrite) as tmp:
+            sink.write(executed, net, tokenizer, Path(tmp), config)
+    return {"model": str(source), "output": str(output), **executed.report, "seconds": time.perf_counter() - start}
 
 
-def _run_streamed(lazy, path: Path, config: QuantizeConfig, folder: Path, env: RunEnv, **shared) -> dict:
-    """GPTQ or RTN over a lazily loaded model, written block by block into ``folder``: uniform
-    bits, or bits per unit (the mixed and uniform candidates each written as they go).
-    ``shared``: ``group`` and ``calib`` under torchrun (uniform bits), for :func:`apply`."""
-    from layercut.compress.core.shards import ShardWriter
-    from layercut.compress.io.models import load_tokenizer
-    from layercut.compress.options import torch_dtype
-    from layercut.compress.quant.format.stream import write_block_fn, write_rest
-    from layercut.compress.quant.search.mixed_stream import StreamedOutputs
-
-    save_dtype = torch_dtype(config.save_dtype)
-    tokenizer = load_tokenizer(path, env.trust_remote_code)
-    if config.avg_bits is not None:
-        outputs = StreamedOutputs(lazy, folder, save_dtype)
-        _, report, alloc, alloc_json = apply(lazy.model, tokenizer, config, config.seed, env.progress, stream=outputs)
-        outputs.keep(report["written"])
-        (folder / "quantize.json").write_text(json.dumps(strip_volatile(report), indent=2, default=str) + "\n")
-        (folder / "allocation.json").write_text(alloc_json)
-        if alloc is not None:
-            _plot(alloc, folder, config, report)
-        return report
-    writer = ShardWriter(folder, "2GB", always_index=True)
-    result, report, _, _ = apply(lazy.model, tokenizer, config, config.seed, env.progress,
-                                 after_block=write_block_fn(lazy, writer, save_dtype), **shared)
-    extra = {"quantize.json": json.dumps(strip_volatile(report), indent=2, default=str) + "\n"}
-    write_rest(lazy, result, writer, folder, save_dtype, extra)
-    return report
+def _stream_into(lazy, tokenizer, config: QuantizeConfig, folder: Path | None, progress: bool,
+                 group: Group | None = None, calib=None) -> Executed:
+    """GPTQ or RTN over a lazily loaded model, written block by block into ``folder`` (None: not
+    written); ``group`` and ``calib`` under torchrun (uniform bits)."""
+    sink = StreamSink(lazy, folder, config)
+    executed = execute(build_plan(config, lazy.model), lazy.model, tokenizer, config, sink, progress, group, calib)
+    sink.write(executed)
+    return executed
 
 
 def _run_shared(config: QuantizeConfig, source, path: Path, output, env: RunEnv, start: float) -> dict:
@@ -233,17 +294,6 @@ def _run_shared(config: QuantizeConfig, source, path: Path, output, env: RunEnv,
     (model, options, output, a hash of the calibration tokens), runs its share of the micro-batches
     through each block (Hessians gathered, :class:`layercut.compress.quant.solve.driver.HessianSet`) and
     solves identically; rank 0 alone writes the output (atomically), the others wait at a barrier."""
-    from dataclasses import replace
-
-    from layercut.calibrate.data import calibration_batch
-    from layercut.compress.core.distributed import process_group, same_on_every_rank, tensor_digest
-    from layercut.compress.core.save import atomic_dir
-    from layercut.compress.io.models import load_model, load_tokenizer
-    from layercut.compress.options import torch_dtype
-    from layercut.compress.quant.format.checkpoint import write_quantized_into
-    from layercut.compress.quant.format.stream import discard_block
-    from layercut.compress.workflow.stages.base import load_streamed
-
     with process_group(resolve_device(config.device)) as group:
         tokenizer = load_tokenizer(path, env.trust_remote_code)
         calib = calibration_batch(tokenizer, config.text_sources(), samples=config.samples, seq_len=config.seq_len,
@@ -259,49 +309,80 @@ def _run_shared(config: QuantizeConfig, source, path: Path, output, env: RunEnv,
         lazy = load_streamed(path, config.dtype, env, config.whole_model, "quantize")
         if lazy is not None and group.rank == 0:
             with atomic_dir(output, env.overwrite) as tmp:
-                report = _run_streamed(lazy, path, config, Path(tmp), env, group=group, calib=calib)
+                executed = _stream_into(lazy, tokenizer, config, Path(tmp), env.progress, group, calib)
         elif lazy is not None:  # the same blocks, solved alike, written by rank 0 only
-            _, report, _, _ = apply(lazy.model, tokenizer, config, config.seed, False, after_block=discard_block,
-                                    group=group, calib=calib)
+            executed = _stream_into(lazy, tokenizer, config, None, False, group, calib)
         else:
             net, tokenizer = load_model(path, dtype=torch_dtype(config.dtype, path),
                                         trust_remote_code=env.trust_remote_code)
-            result, report, _, _ = apply(net, tokenizer, config, config.seed, env.progress, group=group, calib=calib)
+            sink = MemorySink()
+            executed = execute(build_plan(config, net), net, tokenizer, config, sink, env.progress, group, calib)
             if group.rank == 0:
-                extra = {"quantize.json": json.dumps(strip_volatile(report), indent=2, default=str) + "\n"}
                 with atomic_dir(output, env.overwrite) as tmp:
-                    write_quantized_into(net, tokenizer, result, Path(tmp), dtype=torch_dtype(config.save_dtype),
-                                         extra_files=extra)
+                    sink.write(executed, net, tokenizer, Path(tmp), config)
         group.barrier()  # the output exists (renamed into place by rank 0) when any process returns
-    return {"model": str(source), "output": str(output), **report, "processes": group.world,
+    return {"model": str(source), "output": str(output), **executed.report, "processes": group.world,
             "seconds": time.perf_counter() - start}
 
 
-def _plot(alloc, folder: Path, config: QuantizeConfig, report: dict) -> None:
-    from layercut.compress.quant.search.allocate import plot_allocation
+def _dry_run(config: QuantizeConfig, path: Path, source, output, env: RunEnv, start: float) -> dict:
+    """The plan a run would execute, as one table (:meth:`QuantPlan.rows`); nothing is quantized or
+    written. The model is read lazily where it can be (names and shapes only), else whole."""
+    lazy = load_streamed(path, config.dtype, env, False, "quantize")
+    if lazy is not None:
+        model = lazy.model
+    else:
+        model, _ = load_model(path, dtype=torch_dtype(config.dtype, path), trust_remote_code=env.trust_remote_code)
+    plan = build_plan(config, model)
+    log.info("quantize (dry run): %s", plan.rows())
+    return {"dry_run": True, **plan.rows(), "source": str(source), "output": None if output is None else str(output),
+            "seconds": round(time.perf_counter() - start, 3)}
 
+
+def check_resume(config, checkpoint: Path) -> None:
+    """``layercut run --resume`` over a finished quantize stage whose checkpoint is ``checkpoint``:
+    the plan of ``config`` (the resumed recipe's stage) on the model facts stored with the written
+    plan must equal that plan, else one :class:`LayercutError` names the first difference. Nothing is
+    loaded but ``quantize.json``; a checkpoint written without a plan is not checked here."""
+    if not isinstance(config, QuantizeConfig):
+        return
+    try:
+        stored = json.loads((Path(checkpoint) / "quantize.json").read_text()).get("plan")
+    except (OSError, ValueError):
+        return
+    if stored is None:
+        return
+    old = QuantPlan.from_dict(stored)
+    diff = old.difference(plan_from_facts(config, old.facts()))
+    if diff is not None:
+        raise LayercutError(f"--resume: the quantize plan differs from the one {checkpoint} was written with "
+                            f"({diff}); use a new output folder")
+
+
+def _plot(executed: Executed, folder: Path, config: QuantizeConfig) -> None:
+    """``allocation.png`` beside the checkpoint's files when the mixed allocation is written."""
+    alloc, report = executed.alloc, executed.report
+    if alloc is None:
+        return
     plot_allocation(alloc, folder / "allocation.png",
                     title=f"{config.unit} bits (colour: group size), budget {config.avg_bits} → {alloc.avg_bits:.3f} "
                           f"avg bits (sensitivity: {config.sensitivity})")
     report["checkpoint_plot"] = "allocation.png"  # travels inside the checkpoint (export keeps it)
 
 
-def quantize_checkpoint(model: str | os.PathLike, output: str | os.PathLike, *, overwrite: bool = False,
-                        progress: bool = True, **options) -> dict:
+def quantize_checkpoint(model: str | os.PathLike, output: str | os.PathLike | None, *, overwrite: bool = False,
+                        progress: bool = True, dry_run: bool = False, **options) -> dict:
     """Quantize ``model`` (dir, .gguf or bundled:NAME) into a GPTQ v1 checkpoint at ``output``.
 
     ``options`` are :class:`QuantizeConfig`'s: exactly one of
     ``bits`` (uniform) or ``avg_bits`` (allocated, overhead included), ``group_size``, ...
-    Returns a JSON-able report (achieved average bits, per-unit bits, timings).
+    Returns a JSON-able report (achieved average bits, per-unit bits, timings). ``dry_run``:
+    return the plan and write nothing (``output`` may then be None).
     """
-    from pydantic import ValidationError
-
-    from layercut.compress.core.errors import format_error
-
     if isinstance(options.get("candidates"), tuple):
         options["candidates"] = list(options["candidates"])
     try:
         config = QuantizeConfig(**options)
     except ValidationError as exc:
         raise LayercutError(f"quantize: {format_error(exc)}") from None
-    return run(config, model, output, RunEnv(overwrite=overwrite, progress=progress))
+    return run(config, model, output, RunEnv(overwrite=overwrite, progress=progress, dry_run=dry_run))

@@ -5,8 +5,9 @@ Run it::
     layercut score bundled:smollm2-135m --method all --span 8 --json
     layercut score ./model --method gate-norm --drop 8 -o plan.json     # no data, no model built
 
-    from layercut.compress.workflow.stages.score import ScoreConfig, run
+    from layercut.compress.workflow.stages.score import ScoreConfig, run, score_model
     report = run(ScoreConfig(method="block-influence", drop=8), "bundled:smollm2-135m")
+    report = score_model(model, tokenizer, ScoreConfig(method="block-influence", drop=8))   # in memory
 
 Methods: angular, angular-all, block-influence, attn-cosine, mlp-cosine, gate-norm,
 swap-kl, all (every method but swap-kl, which is slow: name it to add it). Every
@@ -22,14 +23,31 @@ import tempfile
 import time
 from pathlib import Path
 
+from layercut.calibrate.data import calibration_batch
+from layercut.compress.core.arch import arch_for
 from layercut.compress.core.devices import on_device
+from layercut.compress.core.errors import LayercutError
+from layercut.compress.io.models import load_model, load_tokenizer, resolve_model
+from layercut.compress.options import torch_dtype
 from layercut.compress.select.config import ScoreConfig, parse_methods
-from layercut.compress.workflow.stages.base import RunEnv
+from layercut.compress.select.cores import lowest
+from layercut.compress.select.driver import (
+    DATA_METHODS,
+    LayerScores,
+    check_count,
+    check_span,
+    compute_scores,
+    rankings,
+    select_blocks,
+    select_sublayers,
+)
+from layercut.compress.select.gate_norm import gate_norm_scores
+from layercut.compress.select.plot import plot_scores
+from layercut.compress.select.swap_kl import swap_kl_scores
+from layercut.compress.workflow.stages.base import RunEnv, load_streamed
 
 
 def num_layers_of(config: dict) -> int:
-    from layercut.compress.core.errors import LayercutError
-
     for cfg in (config, config.get("text_config") or {}):
         for key in ("num_hidden_layers", "n_layer", "num_layers"):
             if isinstance(cfg.get(key), int):
@@ -39,9 +57,6 @@ def num_layers_of(config: dict) -> int:
 
 def selections(scores, methods: list[str], n: int) -> dict:
     """Layers each method would drop at count n (swap-kl is a diagnostic: no selection)."""
-    from layercut.compress.select import select_blocks, select_sublayers
-    from layercut.compress.select.cores import lowest
-
     out: dict = {}
     for m in methods:
         if m in ("angular", "angular-all", "block-influence"):
@@ -55,15 +70,29 @@ def selections(scores, methods: list[str], n: int) -> dict:
     return out
 
 
+def score_model(model, tokenizer, config: ScoreConfig, progress: bool = True) -> dict:
+    """Score an in-memory model's layers (every method from the model, gate-norm from its weights).
+
+    Returns ``{"num_layers", "methods", "span", "drop", "selection": {method: layers}, "ranking",
+    "scores"}``: :func:`run`'s figures, without its file outputs and timings.
+    """
+    methods = parse_methods(config.method)
+    layers = len(arch_for(model).layers_of(model))
+    span, drop = config.span or config.drop or 1, config.drop or config.span
+    calib = None
+    if any(m in DATA_METHODS or m == "swap-kl" for m in methods):
+        calib = calibration_batch(tokenizer, config.text_sources(), samples=config.samples, seq_len=config.seq_len,
+                                  seed=0)
+    scores = compute_scores(model, calib, span=span, methods=methods, batch_size=config.batch_size, progress=progress)
+    return {"num_layers": layers, "methods": methods, "span": span, "drop": drop,
+            "selection": selections(scores, methods, drop) if drop else {}, "ranking": rankings(scores),
+            "scores": scores.to_dict()}
+
+
 @on_device
 def run(config: ScoreConfig, source: str | Path, output: str | Path | None = None, env: RunEnv | None = None,
         plot: str | Path | None = None) -> dict:
     """Score ``source``'s layers; write the report to ``output`` (.json) and a PNG to ``plot`` if given."""
-    from layercut.compress.core.errors import LayercutError
-    from layercut.compress.io.models import resolve_model
-    from layercut.compress.options import torch_dtype
-    from layercut.compress.select.driver import DATA_METHODS, LayerScores, check_count, check_span, rankings
-
     env = env or RunEnv()
     start = time.perf_counter()
     methods = parse_methods(config.method)
@@ -88,10 +117,6 @@ def run(config: ScoreConfig, source: str | Path, output: str | Path | None = Non
     scores = LayerScores(num_layers=layers, span=span)
     model = calib = None
     if data or "swap-kl" in methods:
-        from layercut.calibrate.data import calibration_batch
-        from layercut.compress.io.models import load_model, load_tokenizer
-        from layercut.compress.workflow.stages.base import load_streamed
-
         lazy = load_streamed(path, config.dtype, env, config.whole_model or "swap-kl" in methods, "score",
                              quantized=True)
         if lazy is not None:  # the scores only need each block's inputs and outputs: one block at a time
@@ -103,23 +128,17 @@ def run(config: ScoreConfig, source: str | Path, output: str | Path | None = Non
                                   seed=0)
     timings = {}
     if data:
-        from layercut.compress.select import compute_scores
-
         t0 = time.perf_counter()
         scores = compute_scores(model, calib, span=span, methods=data, batch_size=config.batch_size,
                                 progress=env.progress)
         timings["capture_s"] = time.perf_counter() - t0
     if "gate-norm" in methods:
-        from layercut.compress.select import gate_norm_scores
-
         t0 = time.perf_counter()
         scores.gate_norm = gate_norm_scores(path)  # from the files: no data, no model
         timings["gate_norm_s"] = time.perf_counter() - t0
         if len(scores.gate_norm) != layers:
             raise LayercutError(f"{path}: {len(scores.gate_norm)} attention layers in the files, config says {layers}")
     if "swap-kl" in methods:
-        from layercut.compress.select import swap_kl_scores
-
         t0 = time.perf_counter()
         scores.swap_kl = swap_kl_scores(model, calib, samples=config.swap_samples, progress=env.progress)
         timings["swap_kl_s"] = time.perf_counter() - t0
@@ -133,8 +152,6 @@ def run(config: ScoreConfig, source: str | Path, output: str | Path | None = Non
     pending: list[tuple[Path, Path]] = []
     try:
         if plot_out is not None:
-            from layercut.compress.select import plot_scores
-
             highlight = {
                 "block_influence": chosen.get("block-influence", []),
                 "attn_importance": chosen.get("attn-cosine", []),
@@ -164,8 +181,6 @@ def run(config: ScoreConfig, source: str | Path, output: str | Path | None = Non
 
 
 def _check_out(path: str | Path | None, suffix: str) -> Path | None:
-    from layercut.compress.core.errors import LayercutError
-
     if path is None:
         return None
     target = Path(path).expanduser()
