@@ -6,7 +6,8 @@ made from it (a pydantic model or dataclass of ``layercut.compress.quant`` whose
 in ``Config`` or ``Plan``: ``QuantizeConfig``, ``SolverConfig``, ``QuantPlan``) as an argument.
 Counted: the steps (calls; a per-block function counts once per call), the distinct functions
 and files they enter, and the **climbs**: steps that re-enter a file the walk already left (the
-reader goes back to a file seen before). Fewer of each: the config is easier to follow.
+reader goes back to a file seen before), how often a ``check`` method runs, and the config's
+shapes (the classes it takes on the way). Fewer of each: the config is easier to follow.
 
     python benchmarks/config_walk.py                       # this checkout
     python benchmarks/config_walk.py --json out.json       # also write JSON
@@ -76,6 +77,7 @@ def walk() -> dict:
                       for p in ("layercut", "layercut.compress", "layercut.calibrate", "layercut.heal",
                                 "layercut.export"))
     steps: list[str] = []
+    shapes: list[str] = []  # the config's classes, in the order the walk meets them
     with tempfile.TemporaryDirectory() as tmp:
         _tiny_checkpoint(Path(tmp) / "src")
         config = QuantizeConfig(bits=4, group_size=32, samples=8, seq_len=32)
@@ -87,8 +89,12 @@ def walk() -> dict:
             if not code.co_filename.startswith(src_roots):
                 return None
             names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-            if any(_is_config(frame.f_locals.get(n), config) for n in names):
+            found = [frame.f_locals.get(n) for n in names if _is_config(frame.f_locals.get(n), config)]
+            if found:
                 steps.append(f"{code.co_filename}:{code.co_name}")
+                for value in found:
+                    if type(value).__name__ not in shapes:
+                        shapes.append(type(value).__name__)
             return None
 
         sys.setprofile(None)
@@ -105,7 +111,9 @@ def walk() -> dict:
         seen.add(f)
         prev = f
     common = Path(*Path(files[0]).parts[: len(Path(files[0]).parts) - 3]) if files else Path()
+    checks = sum(s.rsplit(":", 1)[1] == "check" for s in steps)
     return {"steps": len(steps), "functions": len(set(steps)), "files": len(set(files)), "climbs": climbs,
+            "check_calls": checks, "shapes": shapes,
             "walk": [str(Path(s).relative_to(common)) if s.startswith(str(common)) else s for s in steps]}
 
 
@@ -114,8 +122,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the figures and the walk here")
     args = parser.parse_args()
     result = walk()
-    print("| steps | functions | files | climbs |\n|---|---|---|---|")
-    print(f"| {result['steps']} | {result['functions']} | {result['files']} | {result['climbs']} |")
+    print("| steps | functions | files | climbs | .check() calls | the config's shapes |\n|---|---|---|---|---|---|")
+    print(f"| {result['steps']} | {result['functions']} | {result['files']} | {result['climbs']} | "
+          f"{result['check_calls']} | {' → '.join(result['shapes'])} |")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 

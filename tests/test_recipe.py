@@ -317,7 +317,7 @@ def test_quantize_help_shows_the_everyday_options_first():
         return {w.rstrip(",") for ws in lines for w in ws if w.startswith("--")}
 
     first = [line for line in main.splitlines() if line.startswith("  -")]
-    assert len(first) <= 15 - 3, first  # the CLI adds --overwrite, --trust-remote-code and --json
+    assert len(first) <= 15 - 4, first  # the CLI adds --overwrite, --dry-run, --trust-remote-code and --json
     for name in QuantizeConfig.option_names():
         flag = "--" + name.replace("_", "-")
         assert (flag in flags(main)) == (name in QuantizeConfig.everyday), name
@@ -332,3 +332,18 @@ def test_everyday_must_name_options():
 
     with pytest.raises(ValueError, match="no_such_option"):
         add_config_args(argparse.ArgumentParser(), Broken)
+
+
+def test_quantize_presets_fill_only_what_is_not_given():
+    """--preset sets its options unless given; a contradiction is refused."""
+    from layercut.compress.quant.config import QuantizeConfig
+
+    assert QuantizeConfig(bits=4).method == "gptq" and not QuantizeConfig(bits=4).block_tune
+    assert QuantizeConfig(bits=4, preset="fast").method == "rtn"
+    assert QuantizeConfig(bits=4, preset="best").block_tune
+    assert QuantizeConfig(bits=4, preset="fast", method="gptq").method == "gptq"
+    assert not QuantizeConfig(bits=4, preset="best", block_tune=False).block_tune
+    with pytest.raises(ValueError, match="block_tune"):
+        QuantizeConfig(bits=4, preset="fast", block_tune=True)
+    with pytest.raises(ValueError, match="preset"):
+        QuantizeConfig(bits=4, preset="fastest")

@@ -44,6 +44,15 @@ from layercut.compress.quant.search.candidates import DEFAULT_CANDIDATES, parse_
 UNRESOLVED_GROUP_SIZE = 128
 
 
+# --preset: what each one sets, unless the option is given explicitly (cost and quality measured in
+# docs/quantize.md, "Presets").
+PRESETS: dict[str, dict[str, object]] = {
+    "fast": {"method": "rtn"},
+    "default": {},
+    "best": {"block_tune": True},
+}
+
+
 def parse_candidates(value: str | list, group_size: int) -> list[tuple[int, int]]:
     """``"3g64,4ch,8"`` or ``[4, "3g64"]`` -> (bits, group size) pairs; bare bits take ``group_size``.
 
@@ -67,10 +76,14 @@ class QuantizeConfig(StageConfig, TextOptions):
         "layercut quantize bundled:smollm2-135m -o q4 --bits 4 --group-size 64",
         "layercut quantize ./pruned -o mixed --avg-bits 3.5 --candidates 3g64,3g128,4g64,4ch,8ch",
     )
-    everyday: ClassVar[tuple[str, ...]] = ("bits", "avg_bits", "group_size", "method", "block_tune", "calib",
-                                           "samples", "seed", "device", "dtype")
+    everyday: ClassVar[tuple[str, ...]] = ("preset", "bits", "avg_bits", "group_size", "method", "block_tune", "calib",
+                                           "samples", "device")
 
     stage: Literal["quantize"] = "quantize"
+    preset: Literal["fast", "default", "best"] = Field(
+        "default", description="fast: round-to-nearest (seconds; far worse than GPTQ below 8 bits); default: GPTQ; "
+                               "best: GPTQ + --block-tune (about 5-8x GPTQ's time, 4-bit KL 13-23% lower). "
+                               "Options given explicitly override what the preset sets")
     bits: int | None = Field(None, description="uniform bits per weight: 2, 3, 4 or 8 (give this or --avg-bits)",
                              json_schema_extra={"metavar": "B"})
     avg_bits: float | None = Field(None, gt=0, description="average bits per weight to spend, scales and zeros "
@@ -180,6 +193,14 @@ class QuantizeConfig(StageConfig, TextOptions):
     dtype: Dtype = Field("auto", description=STREAM_DTYPE_HELP)
     whole_model: bool = Field(False, description=WHOLE_MODEL_HELP + "; --avg-bits with --sensitivity kl always loads it")
     save_dtype: SaveDtype = Field("fp16", description="dtype of the tensors that stay unquantized")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: object) -> object:
+        """Fill what ``preset`` sets, for the options not given."""
+        if not isinstance(data, dict) or data.get("preset") not in PRESETS:
+            return data
+        return {**data, **{k: v for k, v in PRESETS[data["preset"]].items() if k not in data}}
 
     @model_validator(mode="after")
     def _request(self) -> QuantizeConfig:
