@@ -27,7 +27,7 @@ child's ``ru_maxrss`` (the whole process: Python, torch and transformers include
 ``peak <= 0.5 x bf16 checkpoint bytes + 1 GiB``.
 
 Stages measured, each through its stage's ``run`` (what ``layercut <stage>`` calls);
-heal loads the whole model (it does not stream yet):
+heal (LoRA) loads the whole model (it does not stream yet):
 - ``eval-streamed``: perplexity and exact KL to a reference (the same checkpoint), one
   block in memory at a time (the default; :mod:`layercut.compress.eval.stream_eval`);
 - ``eval-in-memory``: ``--whole-model``, the whole model in float32 (SmolLM2 only);
@@ -39,6 +39,9 @@ heal loads the whole model (it does not stream yet):
   block quantized, written and freed at its turn;
 - ``heal``: 2 LoRA steps (rank 4, batch 1 × 64 tokens, the teacher's top-64 cache, the model as
   its own teacher) over the whole model in its own dtype (bf16), merged and written;
+- ``heal-scales``: ``heal --method scales`` of the model's 4-bit GPTQ checkpoint (the one the
+  eval-quantized rows read) toward the bf16 original (its top-64 cache): 2 steps of batch 1 × 64 tokens,
+  the tuned checkpoint written. The row's ``bf16_bytes`` and target are the original's.
 - ``export``: a release checkpoint (card included), copied tensor by tensor in the source's dtype.
 - ``eval-quantized-streamed``: ``layercut eval`` of a 4-bit GPTQ checkpoint of the model (group size as in
   ``quantize``) with exact KL to the bf16 original as the reference, both streamed one block at a time
@@ -82,9 +85,10 @@ SHAPES = {
                       num_key_value_heads=8, head_dim=128),
 }
 MODELS = ["smollm2-135m", "llama3-1b", "llama3-3b"]
-STAGES = ["eval-streamed", "eval-in-memory", "score", "prune-drop", "prune-lstsq", "quantize", "heal", "export",
-          "eval-quantized-streamed", "eval-quantized-whole"]
+STAGES = ["eval-streamed", "eval-in-memory", "score", "prune-drop", "prune-lstsq", "quantize", "heal", "heal-scales",
+          "export", "eval-quantized-streamed", "eval-quantized-whole"]
 QUANTIZED_STAGES = ("eval-quantized-streamed", "eval-quantized-whole")
+NEEDS_QUANTIZED = (*QUANTIZED_STAGES, "heal-scales")  # the rows that read the model's 4-bit checkpoint
 # how the 4-bit checkpoint each eval-quantized row reads is made: (method, calibration sequences, tokens each)
 QUANT_RECIPE = {"smollm2-135m": ("gptq", 4, 256), "llama3-1b": ("gptq", 2, 64), "llama3-3b": ("rtn", 1, 16)}
 # --stages only: --avg-bits 3.5 (default candidates, fallback check on), hours at 1B on 2 cores; and the
@@ -233,6 +237,20 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
             out.update(written=report["written"], solve_dtype=report["solve_dtype"])
         else:
             out.update(solve_dtype=report["solve_dtype"])
+    elif stage == "heal-scales":
+        import tempfile
+
+        from layercut.compress.workflow.stages.heal import run as run_heal
+        from layercut.heal.config import HealConfig
+
+        qpath = quantized_dir(name)  # made by --prepare-quantized, outside this process's peak
+        cfg = HealConfig(method="scales", teacher=str(path), steps=2, samples=2, seq_len=64, batch_size=1,
+                         data_offset=0)
+        with tempfile.TemporaryDirectory(dir=qpath.parent) as tmp:
+            run_heal(cfg, str(qpath), Path(tmp) / "out", env=RunEnv(progress=False))
+        method, n, seq = QUANT_RECIPE[name]
+        out.update(tokens=2 * 64, quant_bytes=weight_bytes(qpath),
+                   quantized=f"4-bit g{group_size(name)} {method.upper()}, calibration {n} x {seq}")
     elif stage in ("heal", "export"):
         import tempfile
 
@@ -355,7 +373,7 @@ def main() -> None:
     rows = {(r["model"], r["stage"]): r for r in previous["rows"]}
     for name in args.models.split(","):
         subprocess.run([sys.executable, __file__, "--prepare", name], check=True, capture_output=True)
-        if any(s in QUANTIZED_STAGES for s in args.stages.split(",")):
+        if any(s in NEEDS_QUANTIZED for s in args.stages.split(",")):
             subprocess.run([sys.executable, __file__, "--prepare-quantized", name], check=True, capture_output=True,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
         for stage in args.stages.split(","):

@@ -21,12 +21,14 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils.data import Dataset
-from tqdm.auto import tqdm
 
+from layercut.calibrate.capture import run_blocks
 from layercut.calibrate.data import EVAL_TEXTS, CalibSet, calibration_batch
 from layercut.compress.core.errors import LayercutError
+from layercut.compress.io.lazy import LazyModel
 from layercut.heal.config import HealConfig
 from layercut.heal.losses import teacher_topk
+from layercut.heal.progress import progress_bar
 
 
 def heal_data(tokenizer, cfg: HealConfig) -> CalibSet:
@@ -97,7 +99,7 @@ def build_topk_cache(teacher: torch.nn.Module, data: CalibSet, k: int, temperatu
     device = next(teacher.parameters()).device
     logps, idxs, tails = [], [], []
     vocab = 0
-    for ids, mask in tqdm(data.split(batch_size), desc="teacher top-k", unit="batch", disable=not progress):
+    for ids, mask in progress_bar(data.split(batch_size), desc="teacher top-k", unit="batch", enabled=progress):
         logits = teacher(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
         vocab = int(logits.shape[-1])
         top = teacher_topk(logits, k, temperature)
@@ -105,6 +107,67 @@ def build_topk_cache(teacher: torch.nn.Module, data: CalibSet, k: int, temperatu
         idxs.append(top.idx.to(torch.int32).cpu())
         tails.append(top.tail_logp.cpu())
         del logits
+    return TopKCache(torch.cat(logps), torch.cat(idxs), torch.cat(tails), float(temperature), vocab)
+
+
+CHUNK_BYTES = 256 << 20  # last-block outputs of the streamed teacher held at once (float32 bytes)
+POSITION_SLICE = 128  # positions whose [positions, vocab] logits are alive at once
+VOCAB_SLICE = 16384  # rows of a head upcast at a time when it is stored narrower than the compute dtype
+
+
+@torch.no_grad()
+def _head_logits(lazy: LazyModel, h: torch.Tensor) -> torch.Tensor:
+    """Logits from a raw last-block output [S, D]: final norm, head (upcast a slice at a time), softcap."""
+    spec = lazy.spec
+    norm = lazy.materialize(f"{spec.base}.{spec.final_norm}")
+    head = lazy.head()
+    x = norm(h.unsqueeze(0)).squeeze(0).to(lazy.compute_dtype)
+    weight, bias = head.weight, getattr(head, "bias", None)
+    if weight.dtype == x.dtype:
+        logits = torch.nn.functional.linear(x, weight, bias)
+    else:
+        logits = torch.cat([torch.nn.functional.linear(
+            x, weight[v:v + VOCAB_SLICE].to(x.dtype), None if bias is None else bias[v:v + VOCAB_SLICE].to(x.dtype))
+            for v in range(0, weight.shape[0], VOCAB_SLICE)], dim=-1)
+    cap = getattr(lazy.config.get_text_config(), "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+@torch.no_grad()
+def build_topk_cache_streamed(path, data: CalibSet, k: int, temperature: float = 1.0, batch_size: int = 4,
+                              progress: bool = True, dtype: torch.dtype = torch.float32,
+                              trust_remote_code: bool = False) -> TopKCache:
+    """:func:`build_topk_cache` with the teacher read from its checkpoint ``path`` one decoder block at a
+    time (:class:`~layercut.compress.io.lazy.LazyModel` over :func:`~layercut.calibrate.capture.run_blocks`),
+    computed in ``dtype``: never the whole teacher in memory. The data goes through in chunks whose
+    last-block outputs fit :data:`CHUNK_BYTES` (each chunk streams the blocks again); the final norm and
+    head run :data:`POSITION_SLICE` positions at a time. Memory: one block, the embedding or the head, and
+    one chunk's activations."""
+    lazy = LazyModel(path, compute_dtype=dtype, trust_remote_code=trust_remote_code)
+    hidden_size = int(lazy.config.get_text_config().hidden_size)
+    per_chunk = max(batch_size, CHUNK_BYTES // (4 * hidden_size * max(data.seq_len, 1)) // batch_size * batch_size)
+    logps, idxs, tails = [], [], []
+    vocab = 0
+    bar = progress_bar(total=data.num_samples, desc="teacher top-k", unit="seq", enabled=progress)
+    for c0 in range(0, data.num_samples, per_chunk):
+        part = CalibSet(data.input_ids[c0:c0 + per_chunk], data.attention_mask[c0:c0 + per_chunk])
+        hidden = run_blocks(lazy.model, part, [], batch_size=batch_size, progress=False)
+        lazy.release_outside()
+        for h in hidden:  # [B, S, D] per micro-batch
+            for row in h:
+                pieces = []
+                for p0 in range(0, row.shape[0], POSITION_SLICE):
+                    logits = _head_logits(lazy, row[p0:p0 + POSITION_SLICE])
+                    vocab = int(logits.shape[-1])
+                    pieces.append(teacher_topk(logits, k, temperature))
+                    del logits
+                logps.append(torch.cat([t.logp for t in pieces]).unsqueeze(0).cpu())
+                idxs.append(torch.cat([t.idx for t in pieces]).to(torch.int32).unsqueeze(0).cpu())
+                tails.append(torch.cat([t.tail_logp for t in pieces]).unsqueeze(0).cpu())
+                bar.update(1)
+        del hidden
+        lazy.release_outside()
+    bar.close()
     return TopKCache(torch.cat(logps), torch.cat(idxs), torch.cat(tails), float(temperature), vocab)
 
 

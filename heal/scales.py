@@ -16,6 +16,14 @@ whose scales differ by orders of magnitude. Afterwards the scales, rounded to fp
 the ``QuantLinear`` modules, and the output is the source checkpoint with only its ``*.scales``
 tensors rewritten, shard by shard: the same codes, zeros, ``g_idx``, config and bytes, loadable by
 whatever loaded the source. Unlike LoRA, nothing needs merging or re-quantizing.
+
+Memory: a :class:`ScaleTuned` keeps the checkpoint's packed codes (no copy) and owns only θ; each
+forward unpacks its weight a slice of output rows at a time and the backward unpacks it again
+(:class:`_PackedScaleMatmul` saves the input, not the weight); blocks run under gradient checkpointing,
+so saved activations are block inputs. With ``teacher_topk`` the heal stage reads the teacher one
+block at a time (:func:`layercut.heal.data.build_topk_cache_streamed`). What stays whole is the
+student: packed blocks, its non-quantized tensors (embedding, head, norms) in the training dtype,
+θ with its AdamW state (``benchmarks/memory.py``, row ``heal-scales``).
 """
 
 from __future__ import annotations
@@ -30,38 +38,111 @@ from torch import Tensor, nn
 from layercut.compress.core.devices import resolve_device
 from layercut.compress.core.errors import LayercutError
 from layercut.compress.core.save import atomic_dir, check_output_dir
-from layercut.compress.quant.format.pack import unpack_gptq
+from layercut.compress.io.lazy import trim_heap
+from layercut.compress.quant.format.pack import packed_rows, unpack_gptq
 from layercut.compress.quant.format.qlinear import QuantLinear
 from layercut.heal.config import HealConfig, HealResult
 from layercut.heal.data import HealDataset, heal_data
-from layercut.heal.train import _teacher_and_cache, _train
+from layercut.heal.progress import progress_bar
+from layercut.heal.train import _checkpointing, _teacher_and_cache, _train
 
 NOTE = ("only the GPTQ group scales were trained (fp16, in place): codes, zero points, g_idx and the bytes on "
         "disk are the source's")
 
 
+CHUNK_ELEMENTS = 1 << 22  # weights dequantized at once in a ScaleTuned forward/backward (16 MB in float32)
+
+
+def _codes(qweight: Tensor, qzeros: Tensor, g_idx: Tensor, bits: int, start: int, stop: int) -> Tensor:
+    """(q − z) of output rows ``start:stop`` as float32 [stop − start, in], unpacked from that slice of the
+    packed tensors alone (``start`` a multiple of 32, so the packed zero points start on a word)."""
+    zeros = qzeros[:, start * bits // 32: start * bits // 32 + packed_rows(stop - start, bits)]
+    q, z = unpack_gptq(qweight[:, start:stop], zeros, bits, g_idx.shape[0], stop - start)
+    return (q.to(torch.float32) - z[g_idx].T.to(torch.float32))  # exact: small integers
+
+
+def _row_chunks(out_features: int, in_features: int, device: torch.device) -> list[tuple[int, int]]:
+    per = CHUNK_ELEMENTS * (16 if device.type == "cuda" else 1) // max(in_features, 1)
+    step = max(32, per // 32 * 32)
+    return [(o, min(o + step, out_features)) for o in range(0, out_features, step)]
+
+
+def _trim(x: Tensor) -> None:
+    """On the CPU, hand the freed slices back to the OS: glibc keeps freed blocks under its (growing) mmap
+    threshold in the heap, where the slices of one layer after another fragment it (+1 GiB at 1B)."""
+    if x.device.type == "cpu":
+        trim_heap()
+
+
+class _PackedScaleMatmul(torch.autograd.Function):
+    """y = x · Wᵀ with W = S[g_idx]ᵀ ⊙ (q − z) unpacked from the GPTQ tensors a slice of output rows at a time.
+
+    Saves only ``x`` and the [groups, out] scales ``S`` (plus references to the packed tensors): the dense
+    weight is recomputed, slice by slice, in the backward, so no tensor of one element per weight outlives
+    a slice. Gradients: dx = dy · W; dS[g, o] = Σ_{i: g_idx[i] = g} (dyᵀ x)[o, i] · (q − z)[o, i].
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scales: Tensor, qweight: Tensor, qzeros: Tensor, g_idx: Tensor, bits: int) -> Tensor:
+        g = g_idx.long()
+        parts = []
+        for o0, o1 in _row_chunks(qweight.shape[1], x.shape[-1], x.device):
+            w = scales[g, o0:o1].T * _codes(qweight, qzeros, g, bits, o0, o1)  # [rows, in] float32
+            parts.append(x @ w.to(x.dtype).T)
+            del w
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        _trim(x)
+        ctx.save_for_backward(x, scales, qweight, qzeros, g_idx)
+        ctx.bits = bits
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        x, scales, qweight, qzeros, g_idx = ctx.saved_tensors
+        g = g_idx.long()
+        need_x, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        x2 = x.reshape(-1, x.shape[-1])
+        gy = grad_y.reshape(-1, grad_y.shape[-1]).to(x.dtype)
+        grad_x = torch.zeros_like(x2) if need_x else None
+        grad_s = torch.zeros_like(scales) if need_s else None
+        for o0, o1 in _row_chunks(qweight.shape[1], x.shape[-1], x.device):
+            codes = _codes(qweight, qzeros, g, ctx.bits, o0, o1)  # [rows, in]
+            if need_x:
+                grad_x.addmm_(gy[:, o0:o1], (scales[g, o0:o1].T * codes).to(x.dtype))
+            if need_s:
+                gw = (gy[:, o0:o1].T @ x2).to(torch.float32)  # dL/dW of these rows, [rows, in]
+                grad_s[:, o0:o1].index_add_(0, g, (gw * codes).T)
+                del gw
+            del codes
+        _trim(x)
+        return (grad_x.reshape(x.shape) if need_x else None), grad_s, None, None, None, None
+
+
 class ScaleTuned(nn.Module):
-    """A GPTQ linear whose scales train: y = x · (s0 (1 + θ)[g_idx] · (q − z))ᵀ + b, all else frozen."""
+    """A GPTQ linear whose scales train: y = x · (s0 (1 + θ)[g_idx] · (q − z))ᵀ + b, all else frozen.
+
+    It keeps the ``QuantLinear`` (``self.layer``) with its packed ``qweight``/``qzeros``/``g_idx`` and fp16
+    scales ``s0``, and owns only θ [groups, out] (float32): the codes are unpacked inside the forward and
+    again in the backward (:class:`_PackedScaleMatmul`), a slice of rows at a time.
+    """
 
     def __init__(self, layer: nn.Module):
         super().__init__()
-        q, z = unpack_gptq(layer.qweight, layer.qzeros, layer.bits, layer.in_features, layer.out_features)
-        g = layer.g_idx.long()
-        # q - z lies in [-(2^bits - 1), 2^bits - 1]: int16 holds every width (8-bit needs > int8)
-        self.register_buffer("codes", (q.to(torch.int16) - z[g].T.to(torch.int16)))  # [out, in]
-        self.register_buffer("g_idx", g)
-        self.register_buffer("s0", layer.scales.float())  # [groups, out]
-        self.theta = nn.Parameter(torch.zeros_like(self.s0))
-        self.bias = None if layer.bias is None else layer.bias.float()
-        self.layer = layer  # the QuantLinear the tuned scales go back into
+        self.layer = layer  # the QuantLinear the tuned scales go back into (its buffers move with .to())
+        self.in_features, self.out_features, self.bits = layer.in_features, layer.out_features, layer.bits
+        self.theta = nn.Parameter(torch.zeros(layer.scales.shape, dtype=torch.float32, device=layer.scales.device))
+
+    @property
+    def s0(self) -> Tensor:
+        return self.layer.scales.float()  # [groups, out]
 
     def scales(self) -> Tensor:
         return self.s0 * (1 + self.theta)
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.scales()[self.g_idx].T * self.codes.to(self.s0.dtype)  # [out, in]
-        y = x @ w.to(x.dtype).T
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        layer = self.layer
+        y = _PackedScaleMatmul.apply(x, self.scales(), layer.qweight, layer.qzeros, layer.g_idx, self.bits)
+        return y if layer.bias is None else y + layer.bias.to(y.dtype)
 
 
 def _quant_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -69,8 +150,11 @@ def _quant_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
             for child, mod in parent.named_children() if isinstance(mod, QuantLinear)]
 
 
-def wrap_scales(model: nn.Module) -> list[nn.Parameter]:
-    """Freeze ``model``, swap each ``QuantLinear`` for a :class:`ScaleTuned`; return the θ parameters."""
+def wrap_scales(model: nn.Module, progress: bool = False) -> list[nn.Parameter]:
+    """Freeze ``model``, swap each ``QuantLinear`` for a :class:`ScaleTuned`; return the θ parameters.
+
+    Nothing of one element per weight is made: each wrapper keeps its ``QuantLinear`` (packed codes)
+    and adds θ, one float32 per (group, output)."""
     found = _quant_linears(model)
     if not found:
         raise LayercutError("heal --method scales tunes a GPTQ checkpoint's scales, and this model has no GPTQ "
@@ -78,7 +162,7 @@ def wrap_scales(model: nn.Module) -> list[nn.Parameter]:
     for p in model.parameters():
         p.requires_grad_(False)
     params = []
-    for parent, child, mod in found:
+    for parent, child, mod in progress_bar(found, desc="scale layers", unit="layer", enabled=progress):
         tuned = ScaleTuned(mod)
         setattr(parent, child, tuned)
         params.append(tuned.theta)
@@ -152,7 +236,9 @@ def tune_scales(student: nn.Module, teacher, tokenizer, cfg: HealConfig, source:
     teacher, cache = _teacher_and_cache(teacher, student, data, cfg, accelerator.device, progress)
     use_cache = getattr(student.config, "use_cache", None)
     student.config.use_cache = False
-    params = wrap_scales(student)
+    params = wrap_scales(student, progress)
+    if cfg.gradient_checkpointing:  # saved activations: each block's input only; a block recomputes in backward
+        _checkpointing(student, True)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     dataset = HealDataset(data, cfg.steps * cfg.batch * accelerator.num_processes, cfg.seed, cache)
     loader = DataLoader(dataset, batch_size=cfg.batch, shuffle=False,
@@ -164,6 +250,8 @@ def tune_scales(student: nn.Module, teacher, tokenizer, cfg: HealConfig, source:
     step, tokens, seconds = _train(accelerator, model, teacher, loader, optimizer, params, cfg, 0, losses,
                                    None, None, progress)
     student = accelerator.unwrap_model(model)
+    if cfg.gradient_checkpointing:
+        _checkpointing(student, False)
     scales = unwrap_scales(student)
     student.config.use_cache = use_cache
     student.eval()

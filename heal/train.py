@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
 from layercut.calibrate.data import CalibSet
 from layercut.compress.core.devices import resolve_device
@@ -48,6 +47,7 @@ from layercut.heal.lora import (
     wrap_lora,
 )
 from layercut.heal.losses import TopK, heal_loss
+from layercut.heal.progress import progress_bar
 from layercut.heal.state import default_state_dir, latest_state, load_state, restore_rng, save_state
 
 REQUANTIZE_NOTE = ("the input was quantized: the adapter (saved in adapter/) was trained over the dequantized "
@@ -193,8 +193,8 @@ def _train(accelerator, model, teacher, loader, optimizer, params, cfg: HealConf
     every ``checkpoint_every`` steps. Returns (steps done, tokens seen, seconds)."""
     model.train()
     tokens, t0 = 0, time.perf_counter()
-    bar = tqdm(total=cfg.steps, initial=start, desc="heal", unit="step",
-               disable=not progress or not accelerator.is_local_main_process)
+    bar = progress_bar(total=cfg.steps, initial=start, desc="heal", unit="step",
+                       enabled=progress and accelerator.is_local_main_process)
     step = start
     for batch in loader:
         if step >= cfg.steps:

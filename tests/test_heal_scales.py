@@ -167,3 +167,142 @@ def test_recipe_quantize_then_tune_scales_then_export(tiny_model_dir, tmp_path):
     assert "quantization_config" in json.loads((final / "config.json").read_text())
     card = (final / "README.md").read_text()
     assert "GPTQ group scales tuned by distillation" in card
+
+
+def _old_scale_forward(layer, theta, x):
+    """The formula ScaleTuned computed before it kept the packed codes: the whole dense weight in float32."""
+    from layercut.compress.quant.format.pack import unpack_gptq
+
+    q, z = unpack_gptq(layer.qweight, layer.qzeros, layer.bits, layer.in_features, layer.out_features)
+    g = layer.g_idx.long()
+    codes = q.to(torch.int16) - z[g].T.to(torch.int16)
+    w = (layer.scales.float() * (1 + theta))[g].T * codes.to(torch.float32)
+    y = x @ w.to(x.dtype).T
+    return y if layer.bias is None else y + layer.bias.float().to(y.dtype)
+
+
+def _random_qlinear(bits, in_features, out_features, group, act_order, bias, seed=0):
+    from layercut.compress.quant.format.qlinear import QuantLinear
+
+    gen = torch.Generator().manual_seed(seed)
+    groups = in_features // group
+    q = torch.randint(0, 2**bits, (out_features, in_features), generator=gen)
+    zeros = torch.randint(1, 2**bits, (groups, out_features), generator=gen)
+    scales = torch.rand(groups, out_features, generator=gen) * 0.02 + 0.001
+    g_idx = torch.arange(in_features) // group
+    if act_order:
+        g_idx = g_idx[torch.randperm(in_features, generator=gen)]
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    return QuantLinear.from_dense(linear, q, zeros, scales, g_idx.to(torch.int32), bits, group)
+
+
+@pytest.mark.parametrize("bits,act_order,bias", [(4, False, False), (3, True, True), (8, False, True), (2, True, False)])
+def test_scale_tuned_matches_the_dense_formula(monkeypatch, bits, act_order, bias):
+    """The packed forward/backward (several row slices: 100 outputs in slices of 32) gives the old dense
+    formula's output, θ gradient and input gradient within 1e-5 relative. Red on a wrong slice of the
+    packed zero points, a wrong group sum (act-order g_idx) or a missing bias."""
+    from layercut.heal import scales as sc
+
+    monkeypatch.setattr(sc, "CHUNK_ELEMENTS", 32 * 64)  # 32 rows of 64 inputs per slice
+    layer = _random_qlinear(bits, 64, 100, 16, act_order, bias)
+    tuned = sc.ScaleTuned(layer)
+    with torch.no_grad():
+        tuned.theta.copy_(torch.randn(tuned.theta.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
+    theta_ref = tuned.theta.detach().clone().requires_grad_(True)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(2))
+    x_new, x_ref = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_new, y_ref = tuned(x_new), _old_scale_forward(layer, theta_ref, x_ref)
+    upstream = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(3))
+    (y_new * upstream).sum().backward()
+    (y_ref * upstream).sum().backward()
+
+    def rel(a, b):
+        return float((a - b).detach().norm() / b.detach().norm())
+
+    assert rel(y_new, y_ref) < 1e-5
+    assert rel(tuned.theta.grad, theta_ref.grad) < 1e-5
+    assert rel(x_new.grad, x_ref.grad) < 1e-5
+
+
+def test_wrap_scales_holds_nothing_per_weight(q3):
+    """After wrap_scales no wrapper holds a tensor of one element per weight (the packed qweight aside), the
+    model's tensors grow by θ only, and a forward saves no dense weight for the backward. Red for the old
+    ScaleTuned, whose int16 codes (2 bytes per weight), float32 s0 and autograd-saved dense weight were all
+    resident."""
+    from layercut.compress.io.models import load_model
+    from layercut.heal.scales import ScaleTuned, wrap_scales
+
+    _, qdir = q3
+    model, _ = load_model(qdir, dtype=torch.float32, with_tokenizer=False)
+
+    def tensor_bytes(m):
+        seen = {}
+        for mod in m.modules():
+            for t in [*mod._parameters.values(), *mod._buffers.values(),
+                      *(v for v in vars(mod).values() if isinstance(v, torch.Tensor))]:
+                if t is not None:
+                    seen[t.data_ptr()] = t.numel() * t.element_size()
+        return sum(seen.values())
+
+    before = tensor_bytes(model)
+    params = wrap_scales(model)
+    theta_bytes = sum(p.numel() * 4 for p in params)
+    assert tensor_bytes(model) - before == theta_bytes
+    tuned = [m for m in model.modules() if isinstance(m, ScaleTuned)]
+    assert len(tuned) == len(params)
+    smallest = min(m.in_features * m.out_features for m in tuned)
+    for m in tuned:
+        held = [t for mod in m.modules()
+                for t in [*mod._parameters.values(), *mod._buffers.values(),
+                          *(v for v in vars(mod).values() if isinstance(v, torch.Tensor))] if t is not None]
+        assert all(t.numel() < m.in_features * m.out_features or t is m.layer.qweight for t in held)
+        assert m.layer.qweight.numel() * 32 // m.bits == m.layer.qweight.shape[1] * 32 * m.layer.qweight.shape[0] // m.bits
+
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids).logits.sum().backward()
+    # the embedding / head aside (vocab x hidden: not a quantized layer), nothing as large as a quantized weight
+    emb = model.get_input_embeddings().weight.numel()
+    assert not [n for n in saved if smallest <= n and n != emb], sorted(saved)[-5:]
+    assert all(p.grad is not None for p in params)
+
+
+def test_streamed_teacher_cache_matches_the_whole_teacher(tiny_model_dir, tiny_tokenizer, monkeypatch):
+    """The teacher's top-k cache read one block at a time (in chunks of samples, positions in slices) equals
+    the one from the whole loaded teacher. Red on a chunk or slice boundary that drops or shifts tokens."""
+    from layercut.compress.io.models import load_model
+    from layercut.heal import data as hd
+    from layercut.heal.config import HealConfig
+
+    src = tiny_model_dir("llama")
+    cfg = HealConfig(steps=3, seq_len=24, batch_size=2, data_offset=0)
+    data = hd.heal_data(tiny_tokenizer, cfg)
+    teacher, _ = load_model(src, dtype=torch.float32, with_tokenizer=False)
+    whole = hd.build_topk_cache(teacher, data, 8, 1.0, batch_size=2, progress=False)
+    monkeypatch.setattr(hd, "POSITION_SLICE", 10)  # 24 positions: slices of 10, 10, 4
+    monkeypatch.setattr(hd, "CHUNK_BYTES", 1)  # one micro-batch per chunk: the blocks are streamed 3 times
+    streamed = hd.build_topk_cache_streamed(src, data, 8, 1.0, batch_size=2, progress=False)
+    assert streamed.logp.shape == whole.logp.shape and streamed.vocab == whole.vocab
+    assert torch.allclose(streamed.logp, whole.logp, atol=1e-4)
+    assert torch.allclose(streamed.tail_logp, whole.tail_logp, atol=1e-4)
+    assert (streamed.idx == whole.idx).float().mean() > 0.99
+
+
+def test_line_progress_when_stderr_is_not_a_terminal(capsys):
+    """Off a terminal, progress is plain lines (about every 5%, and the last), not carriage-return redraws."""
+    from layercut.heal.progress import progress_bar
+
+    bar = progress_bar(total=40, desc="heal", unit="step")
+    for _ in range(40):
+        bar.set_postfix(loss="1.0")
+        bar.update(1)
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert 10 <= len(lines) <= 21 and all(line.startswith("heal: ") for line in lines)
+    assert lines[-1].startswith("heal: 40/40 step (100%)") and "loss=1.0" in lines[-1] and "\r" not in "".join(lines)

@@ -34,7 +34,7 @@ from layercut.compress.io.models import load_model, load_tokenizer, resolve_mode
 from layercut.compress.options import torch_dtype
 from layercut.compress.workflow.stages.base import RunEnv, strip_volatile
 from layercut.heal.config import HealConfig
-from layercut.heal.data import distill_target, heal_data
+from layercut.heal.data import build_topk_cache_streamed, distill_target, heal_data
 from layercut.heal.lora import check_dims, check_tokenizers
 from layercut.heal.scales import tune_scales
 from layercut.heal.state import default_state_dir
@@ -92,8 +92,17 @@ def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv 
 
     teacher = None
     if teacher_path is not None and config.loss != "lm":
-        teacher, _ = load_model(teacher_path, dtype=_train_dtype(config.dtype, teacher_path), trust_remote_code=trust)
-        teacher = distill_target(teacher, data, config, env.progress)  # a top-k cache: the model is freed
+        teacher = None
+        if config.method == "scales" and config.teacher_topk:
+            try:  # the teacher streamed one block at a time: never resident whole
+                teacher = build_topk_cache_streamed(teacher_path, data, config.teacher_topk, config.temperature,
+                                                    config.batch_size, env.progress,
+                                                    _train_dtype(config.dtype, teacher_path), trust)
+            except LayercutError as exc:  # an architecture or checkpoint the streaming loader does not take
+                log.info("teacher top-k: streaming unavailable (%s); loading the whole teacher", exc)
+        if teacher is None:
+            teacher, _ = load_model(teacher_path, dtype=_train_dtype(config.dtype, teacher_path), trust_remote_code=trust)
+            teacher = distill_target(teacher, data, config, env.progress)  # a top-k cache: the model is freed
         gc.collect()
     student, _ = load_model(student_path, dtype=_train_dtype(config.dtype, student_path), trust_remote_code=trust)
     if config.method == "scales":
