@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ from layercut.compress.core.errors import LayercutError
 from layercut.compress.core.save import atomic_dir, check_output_dir
 from layercut.compress.io.lazy import trim_heap
 from layercut.compress.quant.format.pack import packed_rows, unpack_gptq
+from layercut.compress.options import torch_dtype
 from layercut.compress.quant.format.qlinear import QuantLinear
 from layercut.heal.config import HealConfig, HealResult
 from layercut.heal.data import HealDataset, heal_data
@@ -51,11 +53,18 @@ NOTE = ("only the GPTQ group scales were trained (fp16, in place): codes, zero p
 
 
 CHUNK_ELEMENTS = 1 << 22  # weights dequantized at once in a ScaleTuned forward/backward (16 MB in float32)
+# wrap_scales caches every layer's codes unpacked (one byte per weight) up to this many weights in all: a
+# 135M model (0.1 GB of codes) steps 2.3x faster than unpacking them twice per step; a 1B one stays packed
+CODES_CACHE_BYTES = 256 << 20
 
 
-def _codes(qweight: Tensor, qzeros: Tensor, g_idx: Tensor, bits: int, start: int, stop: int) -> Tensor:
-    """(q − z) of output rows ``start:stop`` as float32 [stop − start, in], unpacked from that slice of the
-    packed tensors alone (``start`` a multiple of 32, so the packed zero points start on a word)."""
+def _codes(qweight: Tensor, qzeros: Tensor, g_idx: Tensor, bits: int, start: int, stop: int,
+           cached: Tensor | None = None) -> Tensor:
+    """(q − z) of output rows ``start:stop`` as float32 [stop − start, in]: a slice of ``cached`` when given,
+    else unpacked from that slice of the packed tensors alone (``start`` a multiple of 32, so the packed zero
+    points start on a word)."""
+    if cached is not None:
+        return cached[start:stop].to(torch.float32)
     zeros = qzeros[:, start * bits // 32: start * bits // 32 + packed_rows(stop - start, bits)]
     q, z = unpack_gptq(qweight[:, start:stop], zeros, bits, g_idx.shape[0], stop - start)
     return (q.to(torch.float32) - z[g_idx].T.to(torch.float32))  # exact: small integers
@@ -75,7 +84,8 @@ def _trim(x: Tensor) -> None:
 
 
 class _PackedScaleMatmul(torch.autograd.Function):
-    """y = x · Wᵀ with W = S[g_idx]ᵀ ⊙ (q − z) unpacked from the GPTQ tensors a slice of output rows at a time.
+    """y = x · Wᵀ with W = S[g_idx]ᵀ ⊙ (q − z), (q − z) unpacked from the GPTQ tensors (or read from the
+    ``codes`` cache) a slice of output rows at a time.
 
     Saves only ``x`` and the [groups, out] scales ``S`` (plus references to the packed tensors): the dense
     weight is recomputed, slice by slice, in the backward, so no tensor of one element per weight outlives
@@ -83,22 +93,24 @@ class _PackedScaleMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, scales: Tensor, qweight: Tensor, qzeros: Tensor, g_idx: Tensor, bits: int) -> Tensor:
+    def forward(ctx, x: Tensor, scales: Tensor, qweight: Tensor, qzeros: Tensor, g_idx: Tensor,
+                codes: Tensor | None, bits: int) -> Tensor:
         g = g_idx.long()
         parts = []
         for o0, o1 in _row_chunks(qweight.shape[1], x.shape[-1], x.device):
-            w = scales[g, o0:o1].T * _codes(qweight, qzeros, g, bits, o0, o1)  # [rows, in] float32
+            w = scales[g, o0:o1].T * _codes(qweight, qzeros, g, bits, o0, o1, codes)  # [rows, in] float32
             parts.append(x @ w.to(x.dtype).T)
             del w
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        _trim(x)
-        ctx.save_for_backward(x, scales, qweight, qzeros, g_idx)
+        if codes is None:
+            _trim(x)
+        ctx.save_for_backward(x, scales, qweight, qzeros, g_idx, codes)
         ctx.bits = bits
         return y
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        x, scales, qweight, qzeros, g_idx = ctx.saved_tensors
+        x, scales, qweight, qzeros, g_idx, cached = ctx.saved_tensors
         g = g_idx.long()
         need_x, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         x2 = x.reshape(-1, x.shape[-1])
@@ -106,7 +118,7 @@ class _PackedScaleMatmul(torch.autograd.Function):
         grad_x = torch.zeros_like(x2) if need_x else None
         grad_s = torch.zeros_like(scales) if need_s else None
         for o0, o1 in _row_chunks(qweight.shape[1], x.shape[-1], x.device):
-            codes = _codes(qweight, qzeros, g, ctx.bits, o0, o1)  # [rows, in]
+            codes = _codes(qweight, qzeros, g, ctx.bits, o0, o1, cached)  # [rows, in]
             if need_x:
                 grad_x.addmm_(gy[:, o0:o1], (scales[g, o0:o1].T * codes).to(x.dtype))
             if need_s:
@@ -114,23 +126,124 @@ class _PackedScaleMatmul(torch.autograd.Function):
                 grad_s[:, o0:o1].index_add_(0, g, (gw * codes).T)
                 del gw
             del codes
-        _trim(x)
-        return (grad_x.reshape(x.shape) if need_x else None), grad_s, None, None, None, None
+        if cached is None:
+            _trim(x)
+        return (grad_x.reshape(x.shape) if need_x else None), grad_s, None, None, None, None, None
+
+
+HEAD_ROWS = 8192  # vocabulary rows of a 16-bit head upcast at once by _Fp32Head (64 MB at hidden 2048)
+
+
+class _Fp32Head(torch.autograd.Function):
+    """logits = h · Wᵀ in float32 from a frozen 16-bit W, :data:`HEAD_ROWS` vocabulary rows at a time, so the
+    head (the embedding, when tied) is never upcast whole: at 1B (128k × 2048) that copy is 1 GiB."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, weight: Tensor) -> Tensor:
+        x = h.to(torch.float32)
+        out = torch.empty(*h.shape[:-1], weight.shape[0], dtype=torch.float32, device=h.device)
+        for r0 in range(0, weight.shape[0], HEAD_ROWS):
+            out[..., r0:r0 + HEAD_ROWS] = x @ weight[r0:r0 + HEAD_ROWS].to(torch.float32).T
+        ctx.save_for_backward(weight)
+        ctx.h_dtype = h.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (weight,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        gh = torch.zeros(*grad.shape[:-1], weight.shape[1], dtype=torch.float32, device=grad.device)
+        for r0 in range(0, weight.shape[0], HEAD_ROWS):
+            gh += grad[..., r0:r0 + HEAD_ROWS].to(torch.float32) @ weight[r0:r0 + HEAD_ROWS].to(torch.float32)
+        return gh.to(ctx.h_dtype), None
+
+
+class Fp32Head(nn.Module):
+    """A frozen linear head kept in its checkpoint's 16-bit dtype whose logits are float32 (:class:`_Fp32Head`)."""
+
+    def __init__(self, inner: nn.Linear):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, h: Tensor) -> Tensor:
+        y = _Fp32Head.apply(h, self.inner.weight)
+        return y if self.inner.bias is None else y + self.inner.bias.to(torch.float32)
+
+
+class Fp32Embedding(nn.Module):
+    """A frozen embedding kept in its checkpoint's 16-bit dtype that returns float32 rows (times the module's
+    ``embed_scale`` in float32, as Gemma's scaled embedding has it)."""
+
+    def __init__(self, inner: nn.Embedding):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids: Tensor) -> Tensor:
+        out = nn.functional.embedding(ids, self.inner.weight, self.inner.padding_idx).to(torch.float32)
+        scale = getattr(self.inner, "embed_scale", None)
+        return out if scale is None else out * torch.as_tensor(scale, dtype=torch.float32)
+
+
+def _plain_embedding(module: nn.Module) -> bool:
+    """An embedding whose forward is a lookup, or a lookup times ``embed_scale`` (Gemma): what
+    :class:`Fp32Embedding` computes. Any other kind is upcast as it is."""
+    kind = type(module)
+    if not isinstance(module, nn.Embedding) or getattr(module, "max_norm", None) is not None:
+        return False
+    return kind.forward is nn.Embedding.forward or (hasattr(module, "embed_scale") and kind.__mro__[1] is nn.Embedding)
+
+
+def train_dtype_except_embeddings(model: nn.Module, dtype: torch.dtype) -> Callable[[], None]:
+    """Cast ``model``'s floating tensors to ``dtype`` except its input embedding and (tied or not) output head,
+    which keep their stored (16-bit) dtype and compute in float32 through :class:`Fp32Embedding` and
+    :class:`Fp32Head`; GPTQ layers keep their packed tensors and fp16 scales. Returns the undo of the swap
+    (the casts stay). An embedding or head of another kind is cast like the rest."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    keep: set[int] = set()
+    swaps: list[tuple[Callable, nn.Module]] = []
+    if dtype == torch.float32 and _plain_embedding(emb) and emb.weight.dtype in (torch.float16, torch.bfloat16):
+        keep.add(id(emb))
+        model.set_input_embeddings(Fp32Embedding(emb))
+        swaps.append((model.set_input_embeddings, emb))
+        if isinstance(head, nn.Linear) and head.weight.dtype == emb.weight.dtype:
+            keep.add(id(head))
+            model.set_output_embeddings(Fp32Head(head))
+            swaps.append((model.set_output_embeddings, head))
+    for module in model.modules():
+        if id(module) in keep or isinstance(module, QuantLinear):
+            continue
+        for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if t is not None and t.is_floating_point() and t.dtype != dtype:
+                t.data = t.data.to(dtype)
+
+    def undo() -> None:
+        for setter, original in swaps:
+            setter(original)
+    return undo
 
 
 class ScaleTuned(nn.Module):
     """A GPTQ linear whose scales train: y = x · (s0 (1 + θ)[g_idx] · (q − z))ᵀ + b, all else frozen.
 
     It keeps the ``QuantLinear`` (``self.layer``) with its packed ``qweight``/``qzeros``/``g_idx`` and fp16
-    scales ``s0``, and owns only θ [groups, out] (float32): the codes are unpacked inside the forward and
-    again in the backward (:class:`_PackedScaleMatmul`), a slice of rows at a time.
+    scales ``s0``, and owns θ [groups, out] (float32). With ``cache_codes`` it also holds (q − z) unpacked,
+    one int8 per weight (int16 at 8 bits); without, the codes are unpacked inside the forward and again in
+    the backward, a slice of rows at a time. Either way (:class:`_PackedScaleMatmul`) the dense weight is
+    made a slice at a time and no tensor of one float per weight outlives a slice.
     """
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, cache_codes: bool = False):
         super().__init__()
         self.layer = layer  # the QuantLinear the tuned scales go back into (its buffers move with .to())
         self.in_features, self.out_features, self.bits = layer.in_features, layer.out_features, layer.bits
         self.theta = nn.Parameter(torch.zeros(layer.scales.shape, dtype=torch.float32, device=layer.scales.device))
+        codes = None
+        if cache_codes:
+            q, z = unpack_gptq(layer.qweight, layer.qzeros, layer.bits, layer.in_features, layer.out_features)
+            small = torch.int8 if layer.bits <= 7 else torch.int16  # q − z lies in ±(2^bits − 1)
+            codes = q.to(small) - z[layer.g_idx.long()].T.to(small)
+        self.register_buffer("codes", codes, persistent=False)
 
     @property
     def s0(self) -> Tensor:
@@ -141,7 +254,8 @@ class ScaleTuned(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         layer = self.layer
-        y = _PackedScaleMatmul.apply(x, self.scales(), layer.qweight, layer.qzeros, layer.g_idx, self.bits)
+        y = _PackedScaleMatmul.apply(x, self.scales(), layer.qweight, layer.qzeros, layer.g_idx, self.codes,
+                                     self.bits)
         return y if layer.bias is None else y + layer.bias.to(y.dtype)
 
 
@@ -150,20 +264,24 @@ def _quant_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
             for child, mod in parent.named_children() if isinstance(mod, QuantLinear)]
 
 
-def wrap_scales(model: nn.Module, progress: bool = False) -> list[nn.Parameter]:
+def wrap_scales(model: nn.Module, progress: bool = False, cache_codes: bool | None = None) -> list[nn.Parameter]:
     """Freeze ``model``, swap each ``QuantLinear`` for a :class:`ScaleTuned`; return the θ parameters.
 
-    Nothing of one element per weight is made: each wrapper keeps its ``QuantLinear`` (packed codes)
-    and adds θ, one float32 per (group, output)."""
+    ``cache_codes``: hold each layer's codes unpacked (one byte per weight; faster steps) or keep only the
+    packed tensors; None (auto) caches them when all of them together take at most
+    :data:`CODES_CACHE_BYTES`, i.e. on small models, where the packed path's unpacking costs more time
+    than the cache costs memory."""
     found = _quant_linears(model)
     if not found:
         raise LayercutError("heal --method scales tunes a GPTQ checkpoint's scales, and this model has no GPTQ "
                             "layers: quantize it first (layercut quantize), or heal it with --method lora")
+    if cache_codes is None:
+        cache_codes = sum(m.in_features * m.out_features for _, _, m in found) <= CODES_CACHE_BYTES
     for p in model.parameters():
         p.requires_grad_(False)
     params = []
     for parent, child, mod in progress_bar(found, desc="scale layers", unit="layer", enabled=progress):
-        tuned = ScaleTuned(mod)
+        tuned = ScaleTuned(mod, cache_codes)
         setattr(parent, child, tuned)
         params.append(tuned.theta)
     return params
@@ -237,6 +355,7 @@ def tune_scales(student: nn.Module, teacher, tokenizer, cfg: HealConfig, source:
     use_cache = getattr(student.config, "use_cache", None)
     student.config.use_cache = False
     params = wrap_scales(student, progress)
+    restore = train_dtype_except_embeddings(student, torch.float32 if cfg.dtype == "auto" else torch_dtype(cfg.dtype))
     if cfg.gradient_checkpointing:  # saved activations: each block's input only; a block recomputes in backward
         _checkpointing(student, True)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -252,6 +371,7 @@ def tune_scales(student: nn.Module, teacher, tokenizer, cfg: HealConfig, source:
     student = accelerator.unwrap_model(model)
     if cfg.gradient_checkpointing:
         _checkpointing(student, False)
+    restore()
     scales = unwrap_scales(student)
     student.config.use_cache = use_cache
     student.eval()

@@ -196,16 +196,20 @@ def _random_qlinear(bits, in_features, out_features, group, act_order, bias, see
     return QuantLinear.from_dense(linear, q, zeros, scales, g_idx.to(torch.int32), bits, group)
 
 
-@pytest.mark.parametrize("bits,act_order,bias", [(4, False, False), (3, True, True), (8, False, True), (2, True, False)])
-def test_scale_tuned_matches_the_dense_formula(monkeypatch, bits, act_order, bias):
-    """The packed forward/backward (several row slices: 100 outputs in slices of 32) gives the old dense
-    formula's output, θ gradient and input gradient within 1e-5 relative. Red on a wrong slice of the
-    packed zero points, a wrong group sum (act-order g_idx) or a missing bias."""
+@pytest.mark.parametrize("bits,act_order,bias,cache", [(4, False, False, False), (3, True, True, False),
+                                                       (8, False, True, False), (2, True, False, False),
+                                                       (4, True, True, True), (8, False, False, True)])
+def test_scale_tuned_matches_the_dense_formula(monkeypatch, bits, act_order, bias, cache):
+    """The packed forward/backward (several row slices: 100 outputs in slices of 32), and the same from
+    cached int8/int16 codes, give the old dense formula's output, θ gradient and input gradient within 1e-5
+    relative. Red on a wrong slice of the packed zero points, a wrong group sum (act-order g_idx), a missing
+    bias, or cached codes that overflow their integer type (8 bits in int8)."""
     from layercut.heal import scales as sc
 
     monkeypatch.setattr(sc, "CHUNK_ELEMENTS", 32 * 64)  # 32 rows of 64 inputs per slice
     layer = _random_qlinear(bits, 64, 100, 16, act_order, bias)
-    tuned = sc.ScaleTuned(layer)
+    tuned = sc.ScaleTuned(layer, cache_codes=cache)
+    assert (tuned.codes is not None) == cache
     with torch.no_grad():
         tuned.theta.copy_(torch.randn(tuned.theta.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
     theta_ref = tuned.theta.detach().clone().requires_grad_(True)
@@ -245,7 +249,7 @@ def test_wrap_scales_holds_nothing_per_weight(q3):
         return sum(seen.values())
 
     before = tensor_bytes(model)
-    params = wrap_scales(model)
+    params = wrap_scales(model, cache_codes=False)
     theta_bytes = sum(p.numel() * 4 for p in params)
     assert tensor_bytes(model) - before == theta_bytes
     tuned = [m for m in model.modules() if isinstance(m, ScaleTuned)]
@@ -306,3 +310,52 @@ def test_line_progress_when_stderr_is_not_a_terminal(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert 10 <= len(lines) <= 21 and all(line.startswith("heal: ") for line in lines)
     assert lines[-1].startswith("heal: 40/40 step (100%)") and "loss=1.0" in lines[-1] and "\r" not in "".join(lines)
+
+
+def test_codes_cached_on_small_models_only(q3, monkeypatch):
+    """wrap_scales' auto choice: codes cached (one byte per weight) when they fit CODES_CACHE_BYTES, packed
+    otherwise. Red if the threshold is ignored either way."""
+    from layercut.compress.io.models import load_model
+    from layercut.heal import scales as sc
+
+    _, qdir = q3
+    for limit, cached in ((1 << 30, True), (0, False)):
+        monkeypatch.setattr(sc, "CODES_CACHE_BYTES", limit)
+        model, _ = load_model(qdir, dtype=torch.float32, with_tokenizer=False)
+        sc.wrap_scales(model)
+        tuned = [m for m in model.modules() if isinstance(m, sc.ScaleTuned)]
+        assert tuned and all((m.codes is not None) == cached for m in tuned)
+        if cached:
+            assert all(m.codes.dtype == torch.int8 for m in tuned)  # 3-bit codes
+
+
+def test_embedding_and_head_stay_16_bit_with_float32_logits(q3):
+    """train_dtype_except_embeddings: the fp16 embedding (tied head) is not upcast, the rest is float32, and
+    logits, θ gradients and the loss match an all-float32 student within float32 rounding. Red if the
+    embedding is upcast (1 GiB at 1B), if the head computes in 16 bits, or if the undo leaves the wrappers."""
+    from layercut.compress.io.models import load_model
+    from layercut.heal import scales as sc
+
+    _, qdir = q3
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    grads, logits = [], []
+    for slim in (False, True):
+        model, _ = load_model(qdir, dtype=torch.float16 if slim else torch.float32, with_tokenizer=False)
+        params = sc.wrap_scales(model)
+        if slim:
+            emb = model.get_input_embeddings()
+            undo = sc.train_dtype_except_embeddings(model, torch.float32)
+            assert isinstance(model.get_input_embeddings(), sc.Fp32Embedding)
+            assert model.get_input_embeddings().inner.weight.dtype == torch.float16
+            assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "embed" not in n
+                       and "lm_head" not in n)
+        out = model(input_ids=ids).logits
+        assert out.dtype == torch.float32
+        out.float().logsumexp(-1).sum().backward()
+        logits.append(out.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in params]))
+        if slim:
+            undo()
+            assert model.get_input_embeddings() is emb
+    assert torch.allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    assert float((grads[0] - grads[1]).norm() / grads[0].norm()) < 1e-3

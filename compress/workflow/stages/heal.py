@@ -30,6 +30,7 @@ from pathlib import Path
 from layercut.compress.core.devices import on_device
 from layercut.compress.core.errors import LayercutError
 from layercut.compress.core.save import check_output_dir
+from layercut.compress.io.lazy import trim_heap
 from layercut.compress.io.models import load_model, load_tokenizer, resolve_model
 from layercut.compress.options import torch_dtype
 from layercut.compress.workflow.stages.base import RunEnv, strip_volatile
@@ -55,6 +56,22 @@ def _train_dtype(name: str, path):
     return dtype
 
 
+
+
+def _student_dtype(config: HealConfig, path):
+    """The dtype the student loads in. Scale tuning with ``--dtype auto`` loads a GPTQ checkpoint's unquantized
+    tensors as stored (16-bit) and upcasts all but the embedding and head afterwards
+    (:func:`layercut.heal.scales.train_dtype_except_embeddings`): at 1B a float32 embedding alone is 1 GiB."""
+    import torch
+
+    if config.method == "scales" and config.dtype == "auto":
+        return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(str(_stored_dtype(path)), torch.float32)
+    return _train_dtype(config.dtype, path)
+
+
+def _stored_dtype(path) -> str | None:
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return cfg.get("dtype") or cfg.get("torch_dtype") or (cfg.get("text_config") or {}).get("dtype")
 
 
 def _dims(config) -> tuple[int | None, int | None, int | None]:
@@ -104,7 +121,8 @@ def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv 
             teacher, _ = load_model(teacher_path, dtype=_train_dtype(config.dtype, teacher_path), trust_remote_code=trust)
             teacher = distill_target(teacher, data, config, env.progress)  # a top-k cache: the model is freed
         gc.collect()
-    student, _ = load_model(student_path, dtype=_train_dtype(config.dtype, student_path), trust_remote_code=trust)
+        trim_heap()  # the streamed teacher's freed blocks go back to the OS before the student loads
+    student, _ = load_model(student_path, dtype=_student_dtype(config, student_path), trust_remote_code=trust)
     if config.method == "scales":
         result = tune_scales(student, teacher, tokenizer, config, student_path, out_dir=out, progress=env.progress,
                              data=data, overwrite=env.overwrite)
