@@ -7,7 +7,9 @@ Run::
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal_scales.py --seeds 0,1,2   # test: the chosen config
     .venv/bin/python benchmarks/heal_scales.py --from-json benchmarks/results/heal_scales.json
 
-Per calibration seed: ``layercut quantize bundled:smollm2-135m --bits B --group-size 64`` (64 x 128
+Per calibration seed: ``layercut quantize MODEL --bits B --group-size G`` (``--model``, default the bundled
+SmolLM2-135M, G 64; ``--model PATH/gemma-3-270m-q4_k_m.gguf --group-size 128`` writes
+``heal_scales-gemma-3-270m.json``; 64 x 128
 calibration tokens, the demo's), then for each config ``STEPSxBATCH@LR`` ``layercut heal Q --method
 scales`` (128-token windows of bundled:brown-calib past every calibration draw, the teacher's top-64,
 the heal seed = the calibration seed), and ``layercut eval`` of both on ``--text`` (4,096 tokens, ctx
@@ -43,8 +45,8 @@ def _cli(args: list[str]) -> tuple[dict, float]:
     return json.loads(proc.stdout.strip().splitlines()[-1]), time.perf_counter() - t
 
 
-def _eval(path: Path, text: str) -> dict:
-    rep, _ = _cli(["eval", str(path), "--reference", MODEL, "--text", text, "--max-tokens", "4096", "--ctx", "512"])
+def _eval(path: Path, text: str, model: str) -> dict:
+    rep, _ = _cli(["eval", str(path), "--reference", model, "--text", text, "--max-tokens", "4096", "--ctx", "512"])
     return {"kl": rep["kl"], "ppl": rep["ppl"], "bytes": rep["bytes"], "reference_ppl": rep["reference_ppl"]}
 
 
@@ -57,7 +59,7 @@ def parse_config(c: str) -> tuple[int, int, float]:
 def run(args) -> dict:
     out = Path(args.json_out)
     data = json.loads(out.read_text()) if out.is_file() else {"setup": {}, "runs": {}}
-    data["setup"] = {"model": MODEL, "text": args.text, "quantize": "per row: gptq-B = --bits B, mixed-X = --avg-bits X (CLI mixed defaults)", "group_size": 64, "calib": "64 x 128",
+    data["setup"] = {"model": args.model, "text": args.text, "quantize": "per row: gptq-B = --bits B, mixed-X = --avg-bits X (CLI mixed defaults)", "group_size": args.group_size, "calib": "64 x 128",
                      "eval": "4096 tokens, ctx 512", "heal_seq_len": 128, "teacher_topk": 64,
                      "threads": os.environ.get("OMP_NUM_THREADS", "CLI default")}
     with tempfile.TemporaryDirectory(prefix="heal-scales-") as tmp:
@@ -66,18 +68,18 @@ def run(args) -> dict:
         base = f"mixed-{args.avg_bits:g}" if args.avg_bits else f"gptq-{args.bits}"
         for seed in [int(s) for s in args.seeds.split(",")]:
             q = work / f"q{args.bits}-s{seed}"
-            qrep, qs = _cli(["quantize", MODEL, "-o", str(q), *quant, "--group-size", "64",
+            qrep, qs = _cli(["quantize", args.model, "-o", str(q), *quant, "--group-size", str(args.group_size),
                              "--samples", "64", "--seq-len", "128", "--seed", str(seed)])
-            plain = _eval(q, args.text) | {"seconds": round(qs, 1)}
+            plain = _eval(q, args.text, args.model) | {"seconds": round(qs, 1)}
             data["runs"][f"{base}/seed{seed}"] = plain
             print(f"seed {seed}: plain {base} KL {plain['kl']:.4f}, {plain['bytes'] / 1e6:.1f} MB", flush=True)
             for c in args.configs.split(","):
                 steps, batch, lr = parse_config(c)
                 t = work / f"t-{seed}-{c}"
-                hrep, hs = _cli(["heal", str(q), "--method", "scales", "--teacher", MODEL, "-o", str(t),
+                hrep, hs = _cli(["heal", str(q), "--method", "scales", "--teacher", args.model, "-o", str(t),
                                  "--steps", str(steps), "--batch-size", str(batch), "--seq-len", "128",
                                  "--lr", str(lr), "--seed", str(seed)])
-                row = _eval(t, args.text) | {"seconds": round(hs, 1), "loss_start": hrep.get("loss_start"),
+                row = _eval(t, args.text, args.model) | {"seconds": round(hs, 1), "loss_start": hrep.get("loss_start"),
                                              "loss_end": hrep.get("loss_end")}
                 data["runs"][f"{base}+scales-{c}/seed{seed}"] = row
                 print(f"  {c}: KL {row['kl']:.4f} ({100 * (row['kl'] / plain['kl'] - 1):+.1f}%), "
@@ -109,6 +111,8 @@ def table(data: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=MODEL, help="the model (bundled:NAME, a checkpoint or a .gguf)")
+    ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--text", default="bundled:brown-test")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--bits", type=int, default=4)
@@ -122,6 +126,8 @@ def main() -> None:
         print(table(json.loads(Path(args.from_json).read_text())))
         return
     suffix = "" if args.text == "bundled:brown-test" else "-" + args.text.split(":")[-1]
+    if args.model != MODEL:
+        suffix = "-" + Path(args.model).name.split("-q4")[0].removesuffix(".gguf") + suffix
     args.json_out = args.json_out or str(ROOT / "benchmarks" / "results" / f"heal_scales{suffix}.json")
     print(table(run(args)))
 

@@ -27,7 +27,8 @@ child's ``ru_maxrss`` (the whole process: Python, torch and transformers include
 ``peak <= 0.5 x bf16 checkpoint bytes + 1 GiB``.
 
 Stages measured, each through its stage's ``run`` (what ``layercut <stage>`` calls);
-heal (LoRA) loads the whole model (it does not stream yet):
+heal (LoRA) loads the whole model; heal-qlora and heal-scales hold the packed 4-bit blocks whole and
+stream the rest:
 - ``eval-streamed``: perplexity and exact KL to a reference (the same checkpoint), one
   block in memory at a time (the default; :mod:`layercut.compress.eval.stream_eval`);
 - ``eval-in-memory``: ``--whole-model``, the whole model in float32 (SmolLM2 only);
@@ -39,6 +40,9 @@ heal (LoRA) loads the whole model (it does not stream yet):
   block quantized, written and freed at its turn;
 - ``heal``: 2 LoRA steps (rank 4, batch 1 × 64 tokens, the teacher's top-64 cache, the model as
   its own teacher) over the whole model in its own dtype (bf16), merged and written;
+- ``heal-qlora``: ``heal --method qlora`` of the bf16 model (its own teacher, top-64 cache streamed): the
+  4-bit RTN copy written beside the output (inside the measured process), 2 LoRA steps (rank 4, batch 1 × 64
+  tokens) over it, the adapters merged into the bf16 weights tensor by tensor;
 - ``heal-scales``: ``heal --method scales`` of the model's 4-bit GPTQ checkpoint (the one the
   eval-quantized rows read) toward the bf16 original (its top-64 cache): 2 steps of batch 1 × 64 tokens,
   the tuned checkpoint written. The row's ``bf16_bytes`` and target are the original's.
@@ -85,8 +89,8 @@ SHAPES = {
                       num_key_value_heads=8, head_dim=128),
 }
 MODELS = ["smollm2-135m", "llama3-1b", "llama3-3b"]
-STAGES = ["eval-streamed", "eval-in-memory", "score", "prune-drop", "prune-lstsq", "quantize", "heal", "heal-scales",
-          "export", "eval-quantized-streamed", "eval-quantized-whole"]
+STAGES = ["eval-streamed", "eval-in-memory", "score", "prune-drop", "prune-lstsq", "quantize", "heal", "heal-qlora",
+          "heal-scales", "export", "eval-quantized-streamed", "eval-quantized-whole"]
 QUANTIZED_STAGES = ("eval-quantized-streamed", "eval-quantized-whole")
 NEEDS_QUANTIZED = (*QUANTIZED_STAGES, "heal-scales")  # the rows that read the model's 4-bit checkpoint
 # how the 4-bit checkpoint each eval-quantized row reads is made: (method, calibration sequences, tokens each)
@@ -251,6 +255,17 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
         method, n, seq = QUANT_RECIPE[name]
         out.update(tokens=2 * 64, quant_bytes=weight_bytes(qpath),
                    quantized=f"4-bit g{group_size(name)} {method.upper()}, calibration {n} x {seq}")
+    elif stage == "heal-qlora":
+        import tempfile
+
+        from layercut.compress.workflow.stages.heal import run as run_heal
+        from layercut.heal.config import HealConfig
+
+        cfg = HealConfig(method="qlora", teacher=str(path), steps=2, samples=2, seq_len=64, batch_size=1, rank=4,
+                         data_offset=0)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            run_heal(cfg, str(path), Path(tmp) / "out", env=RunEnv(progress=False))
+        out.update(tokens=2 * 64)
     elif stage in ("heal", "export"):
         import tempfile
 

@@ -79,10 +79,13 @@ class HealConfig(StageConfig, TextOptions):
                                     json_schema_extra={"metavar": "N"})
     samples: int | None = Field(None, ge=1, description="distinct training sequences (none: steps × batch size, "
                                                         "each seen once)", json_schema_extra={"metavar": "N"})
-    method: Literal["lora", "scales"] = Field(
-        "lora", description="lora: LoRA adapters on the linears, merged into dense weights; scales: a GPTQ "
-                            "checkpoint's group scales are trained in place (codes, zeros and bytes unchanged; "
-                            "rank, alpha, dropout and targets do not apply)")
+    method: Literal["lora", "qlora", "scales"] = Field(
+        "lora", description="lora: LoRA adapters on the linears, merged into dense weights; qlora: the same "
+                            "adapters trained over a --base-bits RTN copy of the student (far less memory), merged "
+                            "into its dense weights; scales: a GPTQ checkpoint's group scales are trained in place "
+                            "(codes, zeros and bytes unchanged; rank, alpha, dropout and targets do not apply)")
+    base_bits: Literal[2, 3, 4, 8] = Field(4, description="qlora: bits of the frozen base (layercut's RTN, group "
+                                                          "size 64)")
     steps: int = Field(200, ge=1, description="optimizer steps")
     rank: int = Field(16, ge=1, description="LoRA rank")
     alpha: float | None = Field(None, gt=0, description="LoRA alpha (none: 2 × rank)", json_schema_extra={"metavar": "X"})
@@ -133,9 +136,11 @@ class HealConfig(StageConfig, TextOptions):
             raise ValueError("teacher_topk needs a distillation loss (kd or kd+lm), not lm")
         if not self.targets.strip():
             raise ValueError("targets is empty")
-        if self.method == "scales" and (self.resume or self.checkpoint_every):
-            raise ValueError("method scales: --checkpoint-every/--resume are not built for scale tuning (a run "
-                             "restarts from its input)")
+        if self.method != "lora" and (self.resume or self.checkpoint_every):
+            raise ValueError(f"method {self.method}: --checkpoint-every/--resume are built for --method lora only (a "
+                             "run restarts from its input)")
+        if self.method != "qlora" and self.base_bits != type(self).model_fields["base_bits"].default:
+            raise ValueError("base_bits is an option of --method qlora")
         return self
 
     @classmethod
@@ -174,7 +179,7 @@ class HealConfig(StageConfig, TextOptions):
         unset = {k for k in FIELD_KEYS if getattr(self, k) in (None, False)}
         # (the text options at their defaults stay out: states saved before they existed still resume)
         return self.model_dump(exclude={"checkpoint_every", "resume", "save_adapter", "teacher", "stage", "dtype", "device",
-                                        *unset})
+                                        "base_bits", *unset})
 
 
 

@@ -40,8 +40,8 @@ from layercut.compress.core.devices import resolve_device
 from layercut.compress.core.errors import LayercutError
 from layercut.compress.core.save import atomic_dir, check_output_dir
 from layercut.compress.io.lazy import trim_heap
-from layercut.compress.quant.format.pack import packed_rows, unpack_gptq
 from layercut.compress.options import torch_dtype
+from layercut.compress.quant.format.pack import packed_rows, unpack_gptq
 from layercut.compress.quant.format.qlinear import QuantLinear
 from layercut.heal.config import HealConfig, HealResult
 from layercut.heal.data import HealDataset, heal_data
@@ -213,7 +213,7 @@ def train_dtype_except_embeddings(model: nn.Module, dtype: torch.dtype) -> Calla
     for module in model.modules():
         if id(module) in keep or isinstance(module, QuantLinear):
             continue
-        for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        for _name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             if t is not None and t.is_floating_point() and t.dtype != dtype:
                 t.data = t.data.to(dtype)
 
@@ -259,9 +259,15 @@ class ScaleTuned(nn.Module):
         return y if layer.bias is None else y + layer.bias.to(y.dtype)
 
 
-def _quant_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+def quant_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, module) of every ``QuantLinear`` in ``model``."""
     return [(parent, child, mod) for parent in model.modules()
             for child, mod in parent.named_children() if isinstance(mod, QuantLinear)]
+
+
+def cache_codes_auto(layers: list[nn.Module]) -> bool:
+    """Whether the codes of ``layers`` together fit :data:`CODES_CACHE_BYTES` at one byte per weight."""
+    return sum(m.in_features * m.out_features for m in layers) <= CODES_CACHE_BYTES
 
 
 def wrap_scales(model: nn.Module, progress: bool = False, cache_codes: bool | None = None) -> list[nn.Parameter]:
@@ -271,12 +277,12 @@ def wrap_scales(model: nn.Module, progress: bool = False, cache_codes: bool | No
     packed tensors; None (auto) caches them when all of them together take at most
     :data:`CODES_CACHE_BYTES`, i.e. on small models, where the packed path's unpacking costs more time
     than the cache costs memory."""
-    found = _quant_linears(model)
+    found = quant_linears(model)
     if not found:
         raise LayercutError("heal --method scales tunes a GPTQ checkpoint's scales, and this model has no GPTQ "
                             "layers: quantize it first (layercut quantize), or heal it with --method lora")
     if cache_codes is None:
-        cache_codes = sum(m.in_features * m.out_features for _, _, m in found) <= CODES_CACHE_BYTES
+        cache_codes = cache_codes_auto([m for _, _, m in found])
     for p in model.parameters():
         p.requires_grad_(False)
     params = []
@@ -335,18 +341,16 @@ def write_scales(source: str | Path, scales: dict[str, Tensor], dest: Path) -> N
         raise LayercutError(f"scale tuning: {len(left)} tuned scale tensors are not in {src} (first: {next(iter(left))})")
 
 
-def tune_scales(student: nn.Module, teacher, tokenizer, cfg: HealConfig, source: str | Path,
-                out_dir: str | Path | None = None, progress: bool = True, *, data=None,
-                overwrite: bool = False) -> HealResult:
-    """Train the GPTQ scales of ``student`` (loaded from the GPTQ checkpoint ``source``) toward
-    ``teacher`` (a model or its top-k cache, as :func:`layercut.heal.train.heal_model` takes);
-    write ``source`` with the tuned scales to ``out_dir`` atomically. ``student`` keeps its
-    ``QuantLinear`` modules, now with the tuned scales."""
+def train_frozen_base(student: nn.Module, teacher, tokenizer, cfg: HealConfig, params: list[nn.Parameter],
+                      data=None, progress: bool = True) -> tuple[int, int, float, list[float], bool]:
+    """The heal loop over a student whose only trainable tensors are ``params`` (θ of :func:`wrap_scales`, or
+    LoRA factors): teacher or its top-k cache, the embedding and head kept 16-bit, gradient checkpointing per
+    block, AdamW. ``student`` is trained in place (left in eval mode). Returns (steps, tokens, seconds,
+    losses, is the main process)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from torch.utils.data import DataLoader
 
-    out = check_output_dir(out_dir, overwrite) if out_dir is not None else None
     if data is None:
         data = heal_data(tokenizer, cfg)
     accelerator = Accelerator(cpu=resolve_device(cfg.device).type == "cpu")
@@ -354,7 +358,6 @@ def tune_scales(student: nn.Module, teacher, tokenizer, cfg: HealConfig, source:
     teacher, cache = _teacher_and_cache(teacher, student, data, cfg, accelerator.device, progress)
     use_cache = getattr(student.config, "use_cache", None)
     student.config.use_cache = False
-    params = wrap_scales(student, progress)
     restore = train_dtype_except_embeddings(student, torch.float32 if cfg.dtype == "auto" else torch_dtype(cfg.dtype))
     if cfg.gradient_checkpointing:  # saved activations: each block's input only; a block recomputes in backward
         _checkpointing(student, True)
@@ -368,19 +371,32 @@ def tune_scales(student: nn.Module, teacher, tokenizer, cfg: HealConfig, source:
     losses: list[float] = []
     step, tokens, seconds = _train(accelerator, model, teacher, loader, optimizer, params, cfg, 0, losses,
                                    None, None, progress)
-    student = accelerator.unwrap_model(model)
     if cfg.gradient_checkpointing:
         _checkpointing(student, False)
     restore()
-    scales = unwrap_scales(student)
     student.config.use_cache = use_cache
     student.eval()
+    return step, tokens, seconds, losses, accelerator.is_main_process
+
+
+def tune_scales(student: nn.Module, teacher, tokenizer, cfg: HealConfig, source: str | Path,
+                out_dir: str | Path | None = None, progress: bool = True, *, data=None,
+                overwrite: bool = False) -> HealResult:
+    """Train the GPTQ scales of ``student`` (loaded from the GPTQ checkpoint ``source``) toward
+    ``teacher`` (a model or its top-k cache, as :func:`layercut.heal.train.heal_model` takes);
+    write ``source`` with the tuned scales to ``out_dir`` atomically. ``student`` keeps its
+    ``QuantLinear`` modules, now with the tuned scales."""
+    out = check_output_dir(out_dir, overwrite) if out_dir is not None else None
+    params = wrap_scales(student, progress)
+    step, tokens, seconds, losses, is_main = train_frozen_base(student, teacher, tokenizer, cfg, params, data,
+                                                               progress)
+    scales = unwrap_scales(student)
     result = HealResult(
         steps=step, tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
         loss_first=_mean(losses[:10]), loss_last=_mean(losses[-10:]),
         trainable_params=sum(p.numel() for p in params), targets=["scales"], lora_modules=0,
         quantized_input=True, merged=False, notes=[NOTE], losses=losses, config=cfg.model_dump())
-    if out is not None and accelerator.is_main_process:
+    if out is not None and is_main:
         with atomic_dir(out, overwrite) as tmp:
             write_scales(source, scales, tmp)
             result.output = str(out)

@@ -106,7 +106,7 @@ def test_scale_tuning_refuses_dense_input_and_resume(tiny_model_dir, q3, tmp_pat
     assert "not one: quantize it first" in capsys.readouterr().err and not out.exists()
     assert main(["heal", str(qdir), "--method", "scales", "--teacher", str(src), "-o", str(out),
                  "--checkpoint-every", "2", *ARGS]) == 2
-    assert "not built for scale tuning" in capsys.readouterr().err and not out.exists()
+    assert "built for --method lora only" in capsys.readouterr().err and not out.exists()
 
 
 def test_wrap_scales_starts_where_the_quantized_model_is(q3, tiny_tokenizer):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import tempfile
 from pathlib import Path
 
 from layercut.compress.core.devices import on_device
@@ -33,10 +34,13 @@ from layercut.compress.core.save import check_output_dir
 from layercut.compress.io.lazy import trim_heap
 from layercut.compress.io.models import load_model, load_tokenizer, resolve_model
 from layercut.compress.options import torch_dtype
+from layercut.compress.quant.config import QuantizeConfig
 from layercut.compress.workflow.stages.base import RunEnv, strip_volatile
+from layercut.compress.workflow.stages.quantize import run as run_quantize
 from layercut.heal.config import HealConfig
 from layercut.heal.data import build_topk_cache_streamed, distill_target, heal_data
 from layercut.heal.lora import check_dims, check_tokenizers
+from layercut.heal.qlora import BASE_GROUP_SIZE, heal_qlora
 from layercut.heal.scales import tune_scales
 from layercut.heal.state import default_state_dir
 from layercut.heal.train import heal_model
@@ -64,7 +68,7 @@ def _student_dtype(config: HealConfig, path):
     (:func:`layercut.heal.scales.train_dtype_except_embeddings`): at 1B a float32 embedding alone is 1 GiB."""
     import torch
 
-    if config.method == "scales" and config.dtype == "auto":
+    if config.method in ("scales", "qlora") and config.dtype == "auto":
         return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(str(_stored_dtype(path)), torch.float32)
     return _train_dtype(config.dtype, path)
 
@@ -96,9 +100,13 @@ def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv 
         raise LayercutError(f"--resume: no heal checkpoint in {state}")
     trust = env.trust_remote_code
     student_path = resolve_model(source)
-    if config.method == "scales" and "quantization_config" not in json.loads((student_path / "config.json").read_text()):
+    quantized = "quantization_config" in json.loads((student_path / "config.json").read_text())
+    if config.method == "scales" and not quantized:
         raise LayercutError(f"heal --method scales tunes a GPTQ checkpoint's scales, and {source} is not one: "
                             "quantize it first (layercut quantize), or heal it with --method lora")
+    if config.method == "qlora" and quantized:
+        raise LayercutError(f"heal --method qlora trains over a 4-bit copy of a dense checkpoint, and {source} is "
+                            "already quantized: tune its scales with --method scales")
     tokenizer = load_tokenizer(student_path, trust)
     teacher_path = env.resolve(config.teacher, "teacher")
     if teacher_path is not None:
@@ -110,7 +118,7 @@ def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv 
     teacher = None
     if teacher_path is not None and config.loss != "lm":
         teacher = None
-        if config.method == "scales" and config.teacher_topk:
+        if config.method in ("scales", "qlora") and config.teacher_topk:
             try:  # the teacher streamed one block at a time: never resident whole
                 teacher = build_topk_cache_streamed(teacher_path, data, config.teacher_topk, config.temperature,
                                                     config.batch_size, env.progress,
@@ -122,13 +130,41 @@ def run(config: HealConfig, source: str | Path, output: str | Path, env: RunEnv 
             teacher = distill_target(teacher, data, config, env.progress)  # a top-k cache: the model is freed
         gc.collect()
         trim_heap()  # the streamed teacher's freed blocks go back to the OS before the student loads
-    student, _ = load_model(student_path, dtype=_student_dtype(config, student_path), trust_remote_code=trust)
+    if config.method == "qlora":
+        result = _qlora(config, student_path, teacher, tokenizer, data, out, env)
+    else:
+        result = _dense_or_scales(config, student_path, teacher, tokenizer, data, out, env)
+    return _report(config, source, out, result)
+
+
+def _dense_or_scales(config: HealConfig, student_path: Path, teacher, tokenizer, data, out: Path, env: RunEnv):
+    student, _ = load_model(student_path, dtype=_student_dtype(config, student_path),
+                            trust_remote_code=env.trust_remote_code)
     if config.method == "scales":
         result = tune_scales(student, teacher, tokenizer, config, student_path, out_dir=out, progress=env.progress,
                              data=data, overwrite=env.overwrite)
     else:
         result = heal_model(student, teacher, tokenizer, config, out_dir=out, progress=env.progress, data=data,
                             overwrite=env.overwrite)
+    return result
+
+
+def _qlora(config: HealConfig, student_path: Path, teacher, tokenizer, data, out: Path, env: RunEnv):
+    """The student quantized with RTN into a temporary GPTQ checkpoint beside OUT (streamed, one block at a
+    time), loaded packed, healed with LoRA over it; the adapters merged into ``student_path``'s dense weights."""
+    qcfg = QuantizeConfig(bits=config.base_bits, group_size=BASE_GROUP_SIZE, method="rtn", device=config.device)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.qlora-base-", dir=out.parent) as tmp:
+        base_dir = Path(tmp) / "base"
+        log.info("qlora: a %d-bit RTN copy of the student (group size %d)", config.base_bits, BASE_GROUP_SIZE)
+        run_quantize(qcfg, str(student_path), base_dir, env=RunEnv(progress=env.progress))
+        trim_heap()
+        base, _ = load_model(base_dir, dtype=_student_dtype(config, base_dir), trust_remote_code=env.trust_remote_code)
+        return heal_qlora(base, teacher, tokenizer, config, student_path, out_dir=out, progress=env.progress,
+                          data=data, overwrite=env.overwrite)
+
+
+def _report(config: HealConfig, source, out: Path, result) -> dict:
     for note in result.notes:
         log.warning("note: %s", note)
     info_file = out / "heal.json"
