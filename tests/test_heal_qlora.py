@@ -3,6 +3,7 @@ tensor by tensor; the output is a dense checkpoint that differs from the source 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -12,6 +13,7 @@ from safetensors import safe_open
 
 from layercut.cli import main
 from layercut.compress.core.errors import LayercutError
+from tests.conftest import build_tiny_model
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 ARGS = ["--steps", "6", "--seq-len", "24", "--batch", "2", "--data-offset", "0", "--lr", "5e-3", "--teacher-topk", "8"]
@@ -88,8 +90,9 @@ def test_lora_quant_is_the_dequantized_base_plus_the_update():
     assert torch.allclose(mod.delta(), 2.0 * mod.lora_B @ mod.lora_A)
 
 
-def test_qlora_bad_input(tiny_model_dir, tmp_path, capsys):
-    """One line, exit 2, nothing written: a quantized input, --base-bits without qlora, qlora with resume."""
+def test_qlora_bad_input(tiny_model_dir, tiny_tokenizer, tmp_path, capsys):
+    """One line, exit 2, nothing written: a quantized input, --base-bits without qlora, an unsupported base width,
+    qlora with resume, a teacher with another vocabulary."""
     from layercut.compress.workflow.stages.quantize import quantize_checkpoint
 
     src = tiny_model_dir("llama")
@@ -106,6 +109,14 @@ def test_qlora_bad_input(tiny_model_dir, tmp_path, capsys):
     assert main(["heal", str(src), "--method", "qlora", "--checkpoint-every", "2", "--teacher", str(src), "-o",
                  str(out), *ARGS]) == 2
     assert "built for --method lora only" in capsys.readouterr().err
+    other = tmp_path / "other-tok"  # a teacher whose vocabulary differs: refused for every method
+    build_tiny_model("llama").save_pretrained(other)
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_tokens(["<extra-token>"])
+    tok.save_pretrained(other)
+    for method, student in (("qlora", src), ("scales", q4)):
+        assert main(["heal", str(student), "--method", method, "--teacher", str(other), "-o", str(out), *ARGS]) == 2
+        assert "different tokenizer" in capsys.readouterr().err
     assert not out.exists() and not list(tmp_path.glob(".x*"))
 
 
