@@ -28,7 +28,6 @@ against LoRA over the dense base at the same steps.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path
@@ -43,7 +42,15 @@ from layercut.compress.io.lazy import TensorIndex
 from layercut.heal.config import HealConfig, HealResult
 from layercut.heal.lora import resolve_targets
 from layercut.heal.progress import progress_bar
-from layercut.heal.scales import ScaleTuned, cache_codes_auto, quant_linears, train_frozen_base
+from layercut.heal.scales import (
+    ScaleTuned,
+    cache_codes_auto,
+    heal_result,
+    quant_linears,
+    train_frozen_base,
+    training_sentence,
+    write_report,
+)
 
 BASE_GROUP_SIZE = 64  # RTN group size of the frozen base: divides every hidden size this project meets
 NOTE = ("the LoRA adapters were trained over a {bits}-bit RTN copy of the student (group size {group}) and merged "
@@ -136,33 +143,20 @@ def heal_qlora(base: nn.Module, teacher, tokenizer, cfg: HealConfig, dense_sourc
     params = [p for m in wrapped.values() for p in (m.lora_A, m.lora_B)]
     steps, tokens, seconds, losses, is_main = train_frozen_base(base, teacher, tokenizer, cfg, params, data, progress)
     bits = next(iter(wrapped.values())).base.bits
-    result = HealResult(
-        steps=steps, tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
-        loss_first=_mean(losses[:10]), loss_last=_mean(losses[-10:]), trainable_params=sum(p.numel() for p in params),
-        targets=sorted({n.split(".", 3)[-1] for n in wrapped}), lora_modules=len(wrapped), quantized_input=False,
-        merged=True, notes=[NOTE.format(bits=bits, group=BASE_GROUP_SIZE)], losses=losses, config=cfg.model_dump())
+    result = heal_result(cfg, steps, tokens, seconds, losses, params,
+                         targets=sorted({n.split(".", 3)[-1] for n in wrapped}), lora_modules=len(wrapped),
+                         quantized_input=False, merged=True, notes=[NOTE.format(bits=bits, group=BASE_GROUP_SIZE)])
     if out is not None and is_main:
         deltas = {name: m.delta().cpu() for name, m in wrapped.items()}
         with atomic_dir(out, overwrite) as tmp:
             merge_into_dense(dense_source, deltas, tmp, progress)
-            result.output = str(out)
-            (tmp / "heal.json").write_text(json.dumps(result.to_dict(with_losses=True), indent=1, default=str) + "\n")
-            (tmp / "HEAL.md").write_text(_readme(result, cfg, bits))
+            write_report(tmp, out, result, _readme(result, cfg, bits))
     result.model = base
     return result
 
 
-def _mean(xs: list[float]) -> float:
-    return float(sum(xs) / len(xs)) if xs else float("nan")
-
-
 def _readme(result: HealResult, cfg: HealConfig, bits: int) -> str:
-    return (
-        "# Healed with layercut (QLoRA)\n\n"
-        f"LoRA rank {cfg.rank}, alpha {cfg.lora_alpha:g}, on {result.lora_modules} linears, trained over a {bits}-bit "
-        f"RTN copy of the student (group size {BASE_GROUP_SIZE}) by distillation ({cfg.loss}"
-        + (f", the teacher's top-{cfg.teacher_topk} log-probs" if cfg.teacher_topk and cfg.loss != "lm" else "")
-        + f") for {result.steps} steps of {cfg.batch} x {cfg.seq_len} tokens from {cfg.text_label()}, lr {cfg.lr:g} "
-        f"({cfg.schedule}), seed {cfg.seed}. Loss {result.loss_first:.4f} -> {result.loss_last:.4f}. The adapters are "
-        "merged into these dense weights (the source's dtype), tensor by tensor.\n"
-    )
+    return (f"# Healed with layercut (QLoRA)\n\nLoRA rank {cfg.rank}, alpha {cfg.lora_alpha:g}, on {result.lora_modules} "
+            f"linears, trained over a {bits}-bit RTN copy of the student (group size {BASE_GROUP_SIZE}) "
+            f"{training_sentence(result, cfg)} The adapters are merged into these dense weights (the source's dtype), "
+            "tensor by tensor.\n")

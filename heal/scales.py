@@ -391,32 +391,45 @@ def tune_scales(student: nn.Module, teacher, tokenizer, cfg: HealConfig, source:
     step, tokens, seconds, losses, is_main = train_frozen_base(student, teacher, tokenizer, cfg, params, data,
                                                                progress)
     scales = unwrap_scales(student)
-    result = HealResult(
-        steps=step, tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
-        loss_first=_mean(losses[:10]), loss_last=_mean(losses[-10:]),
-        trainable_params=sum(p.numel() for p in params), targets=["scales"], lora_modules=0,
-        quantized_input=True, merged=False, notes=[NOTE], losses=losses, config=cfg.model_dump())
+    result = heal_result(cfg, step, tokens, seconds, losses, params, targets=["scales"], lora_modules=0,
+                         quantized_input=True, merged=False, notes=[NOTE])
     if out is not None and is_main:
         with atomic_dir(out, overwrite) as tmp:
             write_scales(source, scales, tmp)
-            result.output = str(out)
-            (tmp / "heal.json").write_text(json.dumps(result.to_dict(with_losses=True), indent=1, default=str) + "\n")
-            (tmp / "HEAL.md").write_text(_readme(result, cfg, len(scales)))
+            write_report(tmp, out, result, _readme(result, cfg, len(scales)))
     result.model = student
     return result
+
+
+def heal_result(cfg: HealConfig, steps: int, tokens: int, seconds: float, losses: list[float],
+                params: list[nn.Parameter], **fields) -> HealResult:
+    """The :class:`HealResult` of a :func:`train_frozen_base` run (``fields``: targets, notes, ...)."""
+    return HealResult(steps=steps, tokens=tokens, seconds=seconds,
+                      tokens_per_s=tokens / seconds if seconds > 0 else 0.0, loss_first=_mean(losses[:10]),
+                      loss_last=_mean(losses[-10:]), trainable_params=sum(p.numel() for p in params), losses=losses,
+                      config=cfg.model_dump(), **fields)
+
+
+def write_report(tmp: Path, out: Path, result: HealResult, readme: str) -> None:
+    """``heal.json`` (the result with its losses) and ``HEAL.md`` into the staging folder of ``out``."""
+    result.output = str(out)
+    (tmp / "heal.json").write_text(json.dumps(result.to_dict(with_losses=True), indent=1, default=str) + "\n")
+    (tmp / "HEAL.md").write_text(readme)
 
 
 def _mean(xs: list[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else float("nan")
 
 
+def training_sentence(result: HealResult, cfg: HealConfig) -> str:
+    """"by distillation (...) for N steps of B x L tokens from TEXT, lr, seed. Loss a -> b." for a HEAL.md."""
+    teacher = f", the teacher's top-{cfg.teacher_topk} log-probs" if cfg.teacher_topk and cfg.loss != "lm" else ""
+    return (f"by distillation ({cfg.loss}{teacher}) for {result.steps} steps of {cfg.batch} x {cfg.seq_len} tokens "
+            f"from {cfg.text_label()}, lr {cfg.lr:g} ({cfg.schedule}), seed {cfg.seed}. Loss {result.loss_first:.4f} "
+            f"-> {result.loss_last:.4f}.")
+
+
 def _readme(result: HealResult, cfg: HealConfig, layers: int) -> str:
-    return (
-        "# Scales tuned with layercut\n\n"
-        f"The GPTQ group scales of {layers} quantized layers ({result.trainable_params:,} numbers) were trained by "
-        f"distillation ({cfg.loss}"
-        + (f", the teacher's top-{cfg.teacher_topk} log-probs" if cfg.teacher_topk and cfg.loss != "lm" else "")
-        + f") for {result.steps} steps of {cfg.batch} x {cfg.seq_len} tokens from {cfg.text_label()}, lr {cfg.lr:g} "
-        f"({cfg.schedule}), seed {cfg.seed}. Loss {result.loss_first:.4f} -> {result.loss_last:.4f}.\n\n"
-        f"{NOTE[0].upper() + NOTE[1:]}.\n"
-    )
+    return (f"# Scales tuned with layercut\n\nThe GPTQ group scales of {layers} quantized layers "
+            f"({result.trainable_params:,} numbers) were trained {training_sentence(result, cfg)}\n\n"
+            f"{NOTE[0].upper() + NOTE[1:]}.\n")

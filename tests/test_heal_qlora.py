@@ -9,22 +9,14 @@ import os
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from layercut.cli import main
 from layercut.compress.core.errors import LayercutError
 from tests.conftest import build_tiny_model
+from tests.test_heal_scales import _tensors
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 ARGS = ["--steps", "6", "--seq-len", "24", "--batch", "2", "--data-offset", "0", "--lr", "5e-3", "--teacher-topk", "8"]
-
-
-def _tensors(path):
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            out.update({k: fh.get_tensor(k) for k in fh.keys()})
-    return out
 
 
 def test_qlora_merges_exactly_its_adapters_into_the_dense_source(tiny_model_dir, tmp_path, monkeypatch):
