@@ -112,25 +112,6 @@ def build_topk_cache(teacher: torch.nn.Module, data: CalibSet, k: int, temperatu
 
 CHUNK_BYTES = 256 << 20  # last-block outputs of the streamed teacher held at once (float32 bytes)
 POSITION_SLICE = 128  # positions whose [positions, vocab] logits are alive at once
-VOCAB_SLICE = 16384  # rows of a head upcast at a time when it is stored narrower than the compute dtype
-
-
-@torch.no_grad()
-def _head_logits(lazy: LazyModel, h: torch.Tensor) -> torch.Tensor:
-    """Logits from a raw last-block output [S, D]: final norm, head (upcast a slice at a time), softcap."""
-    spec = lazy.spec
-    norm = lazy.materialize(f"{spec.base}.{spec.final_norm}")
-    head = lazy.head()
-    x = norm(h.unsqueeze(0)).squeeze(0).to(lazy.compute_dtype)
-    weight, bias = head.weight, getattr(head, "bias", None)
-    if weight.dtype == x.dtype:
-        logits = torch.nn.functional.linear(x, weight, bias)
-    else:
-        logits = torch.cat([torch.nn.functional.linear(
-            x, weight[v:v + VOCAB_SLICE].to(x.dtype), None if bias is None else bias[v:v + VOCAB_SLICE].to(x.dtype))
-            for v in range(0, weight.shape[0], VOCAB_SLICE)], dim=-1)
-    cap = getattr(lazy.config.get_text_config(), "final_logit_softcapping", None)
-    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 @torch.no_grad()
@@ -157,7 +138,7 @@ def build_topk_cache_streamed(path, data: CalibSet, k: int, temperature: float =
             for row in h:
                 pieces = []
                 for p0 in range(0, row.shape[0], POSITION_SLICE):
-                    logits = _head_logits(lazy, row[p0:p0 + POSITION_SLICE])
+                    logits = lazy.head_logits(row[p0:p0 + POSITION_SLICE])
                     vocab = int(logits.shape[-1])
                     pieces.append(teacher_topk(logits, k, temperature))
                     del logits

@@ -229,10 +229,10 @@ def test_dequantize_rows_equals_the_rows_of_the_whole_weight(bits):
 def test_a_quantized_head_streams_like_the_whole_model(tiny_tokenizer, tmp_path, monkeypatch):
     """An untied ``lm_head`` stored as GPTQ tensors (``lm_head.qweight`` ...) takes the same
     per-module path: read for the head's turn, dequantized a vocabulary slice at a time
-    (:data:`layercut.compress.eval.stream_eval.VOCAB_SLICE` lowered so the head spans several slices)."""
+    (:data:`layercut.compress.io.lazy.VOCAB_SLICE` lowered so the head spans several slices)."""
     from safetensors.torch import load_file, save_file
 
-    from layercut.compress.eval import stream_eval
+    from layercut.compress.io import lazy as lazy_module
     from layercut.compress.quant.solve.gptq import rtn_quantize
 
     model = build_tiny_model("llama")
@@ -261,7 +261,7 @@ def test_a_quantized_head_streams_like_the_whole_model(tiny_tokenizer, tmp_path,
     whole = evaluate_path(str(q), reference=str(dense), **KW)
     lazy = LazyModel(q, allow_quantized=True)
     assert "lm_head" in lazy.quantized and "lm_head" in lazy.outside_blocks()
-    monkeypatch.setattr(stream_eval, "VOCAB_SLICE", 128)  # 384 outputs: three slices
+    monkeypatch.setattr(lazy_module, "VOCAB_SLICE", 128)  # 384 outputs: three slices
     got = evaluate_streamed(str(q), reference=str(dense), **KW)
     assert math.isclose(got.ppl, whole.ppl, rel_tol=1e-5) and abs(got.kl - whole.kl) < 1e-6
     assert got.params == whole.params

@@ -46,10 +46,7 @@ from layercut.compress.core.errors import LayercutError
 from layercut.compress.eval.evaluate import EvalResult, eval_tokens, make_windows, same_length, text_name
 from layercut.compress.io.lazy import LazyModel
 from layercut.compress.io.models import load_tokenizer, resolve_model, weight_bytes
-from layercut.compress.quant.format.loader import dequantize_rows
-from layercut.compress.quant.format.qlinear import QuantLinear
 
-VOCAB_SLICE = 16384  # rows of a low-precision head upcast to float32 at a time
 POSITION_SLICE = 128  # positions whose log-probs are alive at once
 
 
@@ -74,34 +71,9 @@ def last_block_outputs(lazy: LazyModel, batches: WindowBatches, device: str | to
     return run_blocks(lazy.model, batches, [], batch_size=1, device=device, progress=progress, desc=desc)
 
 
-@torch.no_grad()
 def head_logprobs(lazy: LazyModel, h_last: torch.Tensor) -> torch.Tensor:
     """Log-probs from a raw last-block output: [S, D] -> [S, V] float32 (final norm, head, softcap)."""
-    spec = lazy.spec
-    norm = lazy.materialize(f"{spec.base}.{spec.final_norm}")
-    head = lazy.head()
-    x = norm(h_last.unsqueeze(0)).squeeze(0).to(lazy.compute_dtype)
-    bias = getattr(head, "bias", None)
-    if isinstance(head, QuantLinear):  # a GPTQ head: dequantized a slice at a time
-        parts = []
-        for v0 in range(0, head.out_features, VOCAB_SLICE):
-            v1 = min(v0 + VOCAB_SLICE, head.out_features)
-            b = bias[v0:v1].to(x.dtype) if bias is not None else None
-            parts.append(F.linear(x, dequantize_rows(head, v0, v1).to(x.dtype), b))
-        logits = torch.cat(parts, dim=-1)
-    elif head.weight.dtype == x.dtype:
-        logits = F.linear(x, head.weight, bias)
-    else:  # upcast the head a slice at a time: never a float32 copy of the whole vocabulary
-        weight = head.weight
-        parts = []
-        for v0 in range(0, weight.shape[0], VOCAB_SLICE):
-            b = bias[v0 : v0 + VOCAB_SLICE].to(x.dtype) if bias is not None else None
-            parts.append(F.linear(x, weight[v0 : v0 + VOCAB_SLICE].to(x.dtype), b))
-        logits = torch.cat(parts, dim=-1)
-    cap = getattr(lazy.config.get_text_config(), "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return F.log_softmax(logits.float(), dim=-1)
+    return F.log_softmax(lazy.head_logits(h_last).float(), dim=-1)
 
 
 @torch.no_grad()

@@ -45,7 +45,10 @@ from layercut.compress.core.errors import LayercutError
 from layercut.compress.core.hfconfig import is_quantized
 from layercut.compress.core.shards import weight_map
 from layercut.compress.io.models import check_weights
-from layercut.compress.quant.format.loader import quantize_skeleton
+from layercut.compress.quant.format.loader import dequantize_rows, quantize_skeleton
+from layercut.compress.quant.format.qlinear import QuantLinear
+
+VOCAB_SLICE = 16384  # head rows dequantized or upcast at a time by LazyModel.head_logits
 
 
 class TensorIndex:
@@ -257,10 +260,32 @@ class LazyModel:
             self.release(path)
 
     def head(self) -> nn.Module:
-        """The output head in the storage dtype (see :func:`head_logprobs` for the fp32 maths)."""
+        """The output head in the storage dtype (see :meth:`head_logits` for the fp32 maths)."""
         head = self.model.get_output_embeddings()
         path = next(n for n, m in self.model.named_modules() if m is head)
         return self.materialize(path, dtype=self.storage_dtype)
+
+    @torch.no_grad()
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits from a raw last-block output [S, D] -> [S, V] in the compute dtype: the final norm, the head
+        (a GPTQ head dequantized, a narrower one upcast, :data:`VOCAB_SLICE` rows at a time: never a float32
+        copy of the whole vocabulary), and the final softcap where the config has one."""
+        norm = self.materialize(f"{self.spec.base}.{self.spec.final_norm}")
+        head = self.head()
+        x = norm(h.unsqueeze(0)).squeeze(0).to(self.compute_dtype)
+        bias = getattr(head, "bias", None)
+        if not isinstance(head, QuantLinear) and head.weight.dtype == x.dtype:
+            logits = nn.functional.linear(x, head.weight, bias)
+        else:
+            rows = head.out_features if isinstance(head, QuantLinear) else head.weight.shape[0]
+            parts = []
+            for v0 in range(0, rows, VOCAB_SLICE):
+                v1 = min(v0 + VOCAB_SLICE, rows)
+                w = dequantize_rows(head, v0, v1) if isinstance(head, QuantLinear) else head.weight[v0:v1]
+                parts.append(nn.functional.linear(x, w.to(x.dtype), None if bias is None else bias[v0:v1].to(x.dtype)))
+            logits = torch.cat(parts, dim=-1)
+        cap = getattr(self.config.get_text_config(), "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def outside_blocks(self) -> list[str]:
         """Paths of the non-block leaf modules that hold parameters (embeddings, norms, head)."""
