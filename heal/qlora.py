@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -38,7 +39,7 @@ from torch import Tensor, nn
 from layercut.compress.core.errors import LayercutError
 from layercut.compress.core.save import atomic_dir, check_output_dir
 from layercut.compress.core.shards import INDEX, ShardWriter
-from layercut.compress.io.lazy import TensorIndex
+from layercut.compress.io.lazy import TensorIndex, trim_heap
 from layercut.heal.config import HealConfig, HealResult
 from layercut.heal.lora import resolve_targets
 from layercut.heal.progress import progress_bar
@@ -105,12 +106,16 @@ def wrap_qlora(model: nn.Module, targets: list[str], rank: int, alpha: float, dr
             new = ScaleTuned(mod, cache_codes)
             new.theta.requires_grad_(False)
         setattr(parent, child, new)
+    trim_heap()  # the unpacking's transients
     return wrapped
 
 
-def merge_into_dense(source: str | Path, deltas: dict[str, Tensor], dest: Path, progress: bool = False) -> None:
-    """Write ``source`` (a dense safetensors checkpoint) to ``dest`` with ``deltas[name]`` added to the tensor
-    ``name + '.weight'``, in float32 and back to the tensor's dtype; one tensor at a time. Other files are copied."""
+def merge_into_dense(source: str | Path, deltas: Mapping[str, Callable[[], Tensor]], dest: Path,
+                     progress: bool = False) -> None:
+    """Write ``source`` (a dense safetensors checkpoint) to ``dest`` with ``deltas[name]()`` added to the tensor
+    ``name + '.weight'``, in float32 and back to the tensor's dtype; one tensor at a time, each update computed
+    when its tensor is reached (all of them at once would be a float32 copy of every adapted weight). Other
+    files are copied."""
     src = Path(source)
     index = TensorIndex(src)
     left = {f"{name}.weight": d for name, d in deltas.items()}
@@ -124,7 +129,7 @@ def merge_into_dense(source: str | Path, deltas: dict[str, Tensor], dest: Path, 
         for name in progress_bar(list(index.where), desc="merge", unit="tensor", enabled=progress):
             t = index.get(name)
             if name in left:
-                d = left.pop(name)
+                d = left.pop(name)()
                 if tuple(d.shape) != tuple(t.shape):
                     raise LayercutError(f"qlora merge: {name} is {tuple(t.shape)} in {src}, adapter {tuple(d.shape)}")
                 t = (t.to(torch.float32) + d.to(torch.float32)).to(t.dtype)
@@ -147,7 +152,7 @@ def heal_qlora(base: nn.Module, teacher, tokenizer, cfg: HealConfig, dense_sourc
                          targets=sorted({n.split(".", 3)[-1] for n in wrapped}), lora_modules=len(wrapped),
                          quantized_input=False, merged=True, notes=[NOTE.format(bits=bits, group=BASE_GROUP_SIZE)])
     if out is not None and is_main:
-        deltas = {name: m.delta().cpu() for name, m in wrapped.items()}
+        deltas = {name: (lambda m=m: m.delta().cpu()) for name, m in wrapped.items()}
         with atomic_dir(out, overwrite) as tmp:
             merge_into_dense(dense_source, deltas, tmp, progress)
             write_report(tmp, out, result, _readme(result, cfg, bits))

@@ -290,6 +290,7 @@ def wrap_scales(model: nn.Module, progress: bool = False, cache_codes: bool | No
         tuned = ScaleTuned(mod, cache_codes)
         setattr(parent, child, tuned)
         params.append(tuned.theta)
+    trim_heap()  # the unpacking's transients
     return params
 
 

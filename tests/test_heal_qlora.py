@@ -117,4 +117,4 @@ def test_merge_refuses_a_source_without_the_adapted_tensor(tiny_model_dir, tmp_p
 
     src = tiny_model_dir("llama")
     with pytest.raises(LayercutError, match="has no tensor model.layers.99.mlp.up_proj.weight"):
-        merge_into_dense(src, {"model.layers.99.mlp.up_proj": torch.zeros(2, 2)}, tmp_path)
+        merge_into_dense(src, {"model.layers.99.mlp.up_proj": lambda: torch.zeros(2, 2)}, tmp_path)
