@@ -56,13 +56,14 @@ class HealConfig(StageConfig, TextOptions):
 
     model_config = StageConfig.model_config | {"frozen": True, "validate_assignment": False,
                                                "populate_by_name": True}
-    help: ClassVar[str] = ("distillation from the original model: LoRA merged into dense weights, or a GPTQ "
-                           "checkpoint's scales tuned in place (--method scales)")
+    help: ClassVar[str] = ("distillation from the original model: LoRA merged into dense weights (over a 4-bit copy "
+                           "with --method qlora), or a GPTQ checkpoint's scales tuned in place (--method scales)")
     text_option: ClassVar[str] = "data"
     examples: ClassVar[tuple[str, ...]] = (
         "layercut heal cut8 --teacher bundled:smollm2-135m -o healed --steps 300 --rank 16",
         "layercut heal cut8 --teacher bundled:smollm2-135m -o healed --teacher-topk 64 --no-gradient-checkpointing",
         "layercut heal q4 --method scales --teacher bundled:smollm2-135m -o q4-tuned --steps 60",
+        "layercut heal cut8 --method qlora --teacher bundled:smollm2-135m -o healed --steps 300",
     )
 
     stage: Literal["heal"] = "heal"
