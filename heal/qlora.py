@@ -28,6 +28,7 @@ against LoRA over the dense base at the same steps.
 
 from __future__ import annotations
 
+import gc
 import math
 import shutil
 from collections.abc import Callable, Mapping
@@ -142,7 +143,9 @@ def heal_qlora(base: nn.Module, teacher, tokenizer, cfg: HealConfig, dense_sourc
                overwrite: bool = False) -> HealResult:
     """Train LoRA adapters over ``base`` (the student loaded from its quantized copy) toward ``teacher`` (a
     model or its top-k cache); merge them into the dense checkpoint ``dense_source`` and write it to
-    ``out_dir`` atomically. ``result.model`` is ``base`` with its adapters (not merged)."""
+    ``out_dir`` atomically. Without ``out_dir``, ``result.model`` is ``base`` with its adapters (not merged); with
+    it, the base's tensors are freed before the merge (``base`` is left on the meta device, ``result.model``
+    None)."""
     out = check_output_dir(out_dir, overwrite) if out_dir is not None else None
     wrapped = wrap_qlora(base, resolve_targets(base, cfg.targets), cfg.rank, cfg.lora_alpha, cfg.dropout, progress)
     params = [p for m in wrapped.values() for p in (m.lora_A, m.lora_B)]
@@ -151,12 +154,20 @@ def heal_qlora(base: nn.Module, teacher, tokenizer, cfg: HealConfig, dense_sourc
     result = heal_result(cfg, steps, tokens, seconds, losses, params,
                          targets=sorted({n.split(".", 3)[-1] for n in wrapped}), lora_modules=len(wrapped),
                          quantized_input=False, merged=True, notes=[NOTE.format(bits=bits, group=BASE_GROUP_SIZE)])
+    result.model = base
     if out is not None and is_main:
-        deltas = {name: (lambda m=m: m.delta().cpu()) for name, m in wrapped.items()}
+        factors = {name: (m.lora_A.detach().cpu(), m.lora_B.detach().cpu(), m.scaling) for name, m in wrapped.items()}
+        # the base is spent: free its tensors (the caller may still hold the module) so that merging holds the
+        # adapters and one tensor of the source
+        result.model = None
+        wrapped.clear()
+        base.to_empty(device="meta")
+        gc.collect()
+        trim_heap()
+        deltas = {name: (lambda f=f: (f[1] @ f[0]) * f[2]) for name, f in factors.items()}
         with atomic_dir(out, overwrite) as tmp:
             merge_into_dense(dense_source, deltas, tmp, progress)
             write_report(tmp, out, result, _readme(result, cfg, bits))
-    result.model = base
     return result
 
 

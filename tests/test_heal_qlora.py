@@ -25,18 +25,27 @@ def test_qlora_merges_exactly_its_adapters_into_the_dense_source(tiny_model_dir,
     the merge misses a layer, adds to the wrong tensor, scales the update wrongly, or writes the 4-bit base."""
     from layercut.compress.workflow.stages import heal as stage
     from layercut.compress.workflow.stages.heal import run
+    from layercut.heal import qlora as ql
     from layercut.heal.config import HealConfig
-    from layercut.heal.qlora import LoraQuant
 
     src = tiny_model_dir("llama")
     out = tmp_path / "healed"
     captured = {}
     real = stage.heal_qlora
 
-    def spy(*a, **k):
-        result = real(*a, **k)
-        captured["model"] = result.model
-        return result
+    def spy(base, *a, **k):
+        wrap = stage_wrap = ql.wrap_qlora
+
+        def keep(*wa, **wk):
+            wrapped = wrap(*wa, **wk)
+            captured["factors"] = {n: (m.lora_A, m.lora_B, m.scaling) for n, m in wrapped.items()}
+            return wrapped
+
+        ql.wrap_qlora = keep
+        try:
+            return real(base, *a, **k)
+        finally:
+            ql.wrap_qlora = stage_wrap
 
     monkeypatch.setattr(stage, "heal_qlora", spy)
     report = run(HealConfig(method="qlora", teacher=str(src), steps=6, seq_len=24, batch_size=2, data_offset=0,
@@ -46,16 +55,16 @@ def test_qlora_merges_exactly_its_adapters_into_the_dense_source(tiny_model_dir,
     assert "quantization_config" not in config
     before, after = _tensors(src), _tensors(out)
     assert before.keys() == after.keys()
-    wrapped = {n: m for n, m in captured["model"].named_modules() if isinstance(m, LoraQuant)}
-    assert len(wrapped) == 18
+    factors = captured["factors"]
+    assert len(factors) == 18
     moved = {k for k in before if not torch.equal(before[k], after[k])}
-    assert moved == {f"{n}.weight" for n in wrapped}
-    for name, mod in wrapped.items():
+    assert moved == {f"{n}.weight" for n in factors}
+    for name, (a, b, scaling) in factors.items():
         w0, w1 = before[f"{name}.weight"], after[f"{name}.weight"]
-        assert w1.dtype == w0.dtype
-        expect = (w0.float() + mod.delta()).to(w0.dtype)
-        assert torch.equal(w1, expect), name
-        assert float(mod.delta().norm()) > 0
+        delta = (b.detach() @ a.detach()) * scaling
+        assert w1.dtype == w0.dtype and scaling == 2.0  # alpha = 2 x rank by default
+        assert torch.equal(w1, (w0.float() + delta).to(w0.dtype)), name
+        assert float(delta.norm()) > 0
     assert (out / "HEAL.md").is_file() and "RTN" in (out / "HEAL.md").read_text()
 
 
