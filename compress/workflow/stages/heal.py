@@ -157,7 +157,8 @@ def _qlora(config: HealConfig, student_path: Path, teacher, tokenizer, data, out
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.qlora-base-", dir=out.parent) as tmp:
         base_dir = Path(tmp) / "base"
         log.info("qlora: a %d-bit RTN copy of the student (group size %d)", config.base_bits, BASE_GROUP_SIZE)
-        run_quantize(qcfg, str(student_path), base_dir, env=RunEnv(progress=env.progress))
+        run_quantize(qcfg, str(student_path), base_dir,
+                     env=RunEnv(progress=env.progress, trust_remote_code=env.trust_remote_code))
         trim_heap()
         base, _ = load_model(base_dir, dtype=_student_dtype(config, base_dir), trust_remote_code=env.trust_remote_code)
         return heal_qlora(base, teacher, tokenizer, config, student_path, out_dir=out, progress=env.progress,
