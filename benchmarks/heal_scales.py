@@ -5,6 +5,9 @@ Run::
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal_scales.py --text bundled:brown-val \\
         --seeds 0 --configs 60x4@1e-3,60x4@3e-3                    # the choice, on validation
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal_scales.py --seeds 0,1,2   # test: the chosen config
+    # scale tuning on top of block-wise reconstruction (quantize --block-tune), against it on plain GPTQ
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal_scales.py --text bundled:brown-val --seeds 0 --bits 3 \\
+        --json-out benchmarks/results/heal_scales-block-tune-brown-val.json [--block-tune]
     .venv/bin/python benchmarks/heal_scales.py --from-json benchmarks/results/heal_scales.json
 
 Per calibration seed: ``layercut quantize MODEL --bits B --group-size G`` (``--model``, default the bundled
@@ -66,8 +69,11 @@ def run(args) -> dict:
         work = Path(tmp)
         quant = ["--avg-bits", str(args.avg_bits)] if args.avg_bits else ["--bits", str(args.bits)]
         base = f"mixed-{args.avg_bits:g}" if args.avg_bits else f"gptq-{args.bits}"
+        if args.block_tune:
+            quant.append("--block-tune")
+            base += "-blocktuned"
         for seed in [int(s) for s in args.seeds.split(",")]:
-            q = work / f"q{args.bits}-s{seed}"
+            q = work / f"{base}-s{seed}"
             qrep, qs = _cli(["quantize", args.model, "-o", str(q), *quant, "--group-size", str(args.group_size),
                              "--samples", "64", "--seq-len", "128", "--seed", str(seed)])
             plain = _eval(q, args.text, args.model) | {"seconds": round(qs, 1)}
@@ -118,6 +124,8 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--avg-bits", type=float, help="quantize with --avg-bits X (the CLI's mixed defaults; group "
                                                     "size 64 for its bare widths) instead of --bits")
+    ap.add_argument("--block-tune", action="store_true", help="quantize with --block-tune (its defaults): rows "
+                                                                   "gptq-B-blocktuned[+scales-...]")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma list of STEPSxBATCH@LR (default %(default)s)")
     ap.add_argument("--json-out")
     ap.add_argument("--from-json")
