@@ -13,7 +13,7 @@ Models: the bundled SmolLM2-135M (group size 64) and gemma-3-270m (group size 12
 GGUF that ``bash ../shared/models/gemma3-270m.sh`` assembles (``--gemma PATH``; the default is that
 script's output path; a missing file skips the model with a line saying so). Per model, width and
 calibration seed: ``layercut quantize MODEL --bits B`` (64 x 128 calibration tokens of
-bundled:brown-calib, the demo's) without and with each tuning config ``STEPS[xBATCH]@LR[/SCALE_LR][:TARGET][~LOSS]``,
+bundled:brown-calib, the demo's) without and with each tuning config ``STEPS[xBATCH]@LR[/SCALE_LR[/NORM_LR]][:TARGET][~LOSS]``,
 then ``layercut eval`` of each on ``--text`` (4,096 tokens, ctx 512, KL to the original model). Every
 command is one child process; its wall time, CPU time and peak RSS are measured here (``wait4``).
 Rows go to ``benchmarks/results/block_tune[-SPLIT].json`` (merged: rows not rerun are kept).
@@ -62,7 +62,8 @@ def _run_child(args: list[str]) -> tuple[dict, dict]:
 
 
 def parse_config(c: str) -> list[str]:
-    """``100x4@0.01/0.002:float~channel`` (steps x batch @ lr / scale lr : target ~ loss) -> the quantize flags;
+    """``100x4@0.01/0.002/0.001:float~channel`` (steps x batch @ lr / scale lr / norm lr : target ~ loss) -> the
+    quantize flags;
     ``none`` -> [] (plain GPTQ). Left out: the CLI default, except the loss: mse."""
     if c == "none":
         return []
@@ -71,9 +72,11 @@ def parse_config(c: str) -> list[str]:
     sb, _, lrs = c.partition("@")
     steps, _, batch = sb.partition("x")
     lr, _, slr = lrs.partition("/")
+    slr, _, nlr = slr.partition("/")
     flags = ["--block-tune", "--block-tune-steps", steps] + (["--block-tune-batch", batch] if batch else [])
     flags += ["--block-tune-lr", lr] if lr else []
     flags += ["--block-tune-scale-lr", slr] if slr else []
+    flags += ["--block-tune-norm-lr", nlr] if nlr else []
     flags += ["--block-tune-target", target] if target else []
     flags += ["--block-tune-loss", loss or "mse"]  # no ~LOSS: mse, as the rows stored before channel became the default
     return flags
@@ -128,7 +131,8 @@ def table(data: dict) -> str:
     rows = data["runs"]
     groups: dict[tuple[str, int, str], dict[int, dict]] = {}
     for key, row in rows.items():
-        m, b, c, s = key.split("/")
+        m, b, rest = key.split("/", 2)
+        c, s = rest.rsplit("/", 1)
         groups.setdefault((m, int(b), c), {})[int(s.removeprefix("seed"))] = row
     lines = [f"text {data['setup']['text']}; KL to the original: mean (min-max) over seeds", "",
              "| model | bits | tuning | seeds | MB | KL | gap closed / Δ vs plain | wall s | CPU s | peak RSS MB |",
@@ -161,7 +165,7 @@ def main() -> None:
     ap.add_argument("--gemma", default=str(GEMMA))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--bits", default="3,4")
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma list of STEPS[xBATCH]@LR[/SCALE_LR][:TARGET][~LOSS] "
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma list of STEPS[xBATCH]@LR[/SCALE_LR[/NORM_LR]][:TARGET][~LOSS] "
                                                                "(plain GPTQ always runs)")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=128)

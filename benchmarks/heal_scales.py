@@ -13,7 +13,7 @@ Run::
 Per calibration seed: ``layercut quantize MODEL --bits B --group-size G`` (``--model``, default the bundled
 SmolLM2-135M, G 64; ``--model PATH/gemma-3-270m-q4_k_m.gguf --group-size 128`` writes
 ``heal_scales-gemma-3-270m.json``; 64 x 128
-calibration tokens, the demo's), then for each config ``STEPSxBATCH@LR`` ``layercut heal Q --method
+calibration tokens, the demo's, unless ``--samples N``: N x 128, rows named ``...-Nx128``), then for each config ``STEPSxBATCH@LR`` ``layercut heal Q --method
 scales`` (128-token windows of bundled:brown-calib past every calibration draw, the teacher's top-64,
 the heal seed = the calibration seed), and ``layercut eval`` of both on ``--text`` (4,096 tokens, ctx
 512, KL to the original). Each command is one child process; the JSON is written by this script
@@ -62,7 +62,7 @@ def parse_config(c: str) -> tuple[int, int, float]:
 def run(args) -> dict:
     out = Path(args.json_out)
     data = json.loads(out.read_text()) if out.is_file() else {"setup": {}, "runs": {}}
-    data["setup"] = {"model": args.model, "text": args.text, "quantize": "per row: gptq-B = --bits B, mixed-X = --avg-bits X (CLI mixed defaults)", "group_size": args.group_size, "calib": "64 x 128",
+    data["setup"] = {"model": args.model, "text": args.text, "quantize": "per row: gptq-B = --bits B, mixed-X = --avg-bits X (CLI mixed defaults)", "group_size": args.group_size, "calib": f"{args.samples} x 128",
                      "eval": "4096 tokens, ctx 512", "heal_seq_len": 128, "teacher_topk": 64,
                      "threads": os.environ.get("OMP_NUM_THREADS", "CLI default")}
     with tempfile.TemporaryDirectory(prefix="heal-scales-") as tmp:
@@ -72,10 +72,12 @@ def run(args) -> dict:
         if args.block_tune:
             quant.append("--block-tune")
             base += "-blocktuned"
+        if args.samples != 64:
+            base += f"-{args.samples}x128"
         for seed in [int(s) for s in args.seeds.split(",")]:
             q = work / f"{base}-s{seed}"
             qrep, qs = _cli(["quantize", args.model, "-o", str(q), *quant, "--group-size", str(args.group_size),
-                             "--samples", "64", "--seq-len", "128", "--seed", str(seed)])
+                             "--samples", str(args.samples), "--seq-len", "128", "--seed", str(seed)])
             plain = _eval(q, args.text, args.model) | {"seconds": round(qs, 1)}
             data["runs"][f"{base}/seed{seed}"] = plain
             print(f"seed {seed}: plain {base} KL {plain['kl']:.4f}, {plain['bytes'] / 1e6:.1f} MB", flush=True)
@@ -126,6 +128,7 @@ def main() -> None:
                                                     "size 64 for its bare widths) instead of --bits")
     ap.add_argument("--block-tune", action="store_true", help="quantize with --block-tune (its defaults): rows "
                                                                    "gptq-B-blocktuned[+scales-...]")
+    ap.add_argument("--samples", type=int, default=64, help="calibration sequences of 128 tokens (default 64)")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma list of STEPSxBATCH@LR (default %(default)s)")
     ap.add_argument("--json-out")
     ap.add_argument("--from-json")

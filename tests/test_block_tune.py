@@ -148,10 +148,11 @@ def test_tuning_never_keeps_a_worse_block():
     plain, tuned = copy.deepcopy(ref), copy.deepcopy(ref)
     quantize_model(plain, calib, plain_solver(bits=3, group_size=32), batch_size=2, progress=False)
     r = quantize_model(tuned, calib, plain_solver(bits=3, group_size=32,
-                                                  tune=BlockTune(steps=4, lr=50.0, scale_lr=5.0)),
+                                                  tune=BlockTune(steps=4, lr=50.0, scale_lr=5.0,
+                                                                 norm_lr=5.0)),
                        batch_size=2, progress=False)
     assert not r.tune_reports[0].kept
-    for a, b in zip(plain.parameters(), tuned.parameters()):
+    for a, b in zip(plain.parameters(), tuned.parameters()):  # the norms trained too, and were put back
         assert torch.equal(a, b)
 
 
@@ -231,6 +232,50 @@ def test_stock_transformers_and_layercut_load_it_alike(tuned_dirs):
     assert (a - b).abs().mean() < 0.2 * (fp - a).abs().mean()
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_norm_tuning_moves_the_norms_and_nothing_else_unquantized(family):
+    """norm_lr > 0: the block's norm weights (gemma's post-norms and q/k norms included) train with
+    its codes; the other unquantized tensors (embeddings, the final norm) stay the model's."""
+    from layercut.compress.quant.solve.block_tune import norm_weights
+
+    ref = small_model(family, layers=2)
+    calib = _calib(ref, n=8)
+    losses = {}
+    for norm_lr in (0.0, 0.01):
+        model = copy.deepcopy(ref)
+        r = quantize_model(model, calib, plain_solver(bits=2, group_size=32, tune=BlockTune(steps=30, lr=0.01,
+                                                                                          norm_lr=norm_lr)),
+                           batch_size=4, progress=False)
+        losses[norm_lr] = sum(rep.loss_tuned for rep in r.tune_reports.values())
+        for i, block in enumerate(model.model.layers):
+            ref_norms = norm_weights(ref.model.layers[i])
+            assert len(ref_norms) == (6 if family == "gemma3_text" else 2)
+            moved = [not torch.equal(a, b) for a, b in zip(norm_weights(block), ref_norms)]
+            assert all(moved) if norm_lr and r.tune_reports[i].kept else not any(moved), (i, moved)
+        assert torch.equal(model.model.embed_tokens.weight, ref.model.embed_tokens.weight)
+        assert torch.equal(model.model.norm.weight, ref.model.norm.weight)
+    assert losses[0.01] < losses[0.0], losses
+
+
+def test_the_checkpoint_carries_the_tuned_norms(tmp_path, tiny_tokenizer):
+    """Streamed quantize writes the block's tuned norm weights (not the source's)."""
+    from safetensors.torch import load_file
+
+    from layercut.compress.workflow.cli import main
+
+    src = tmp_path / "src"
+    small_model("llama").save_pretrained(src)
+    tiny_tokenizer.save_pretrained(src)
+    args = ["--bits", "3", "--group-size", "32", "--samples", "8", "--seq-len", "32", "--block-tune",
+            "--block-tune-steps", "20", "--block-tune-norm-lr", "0.01"]
+    assert main(["-q", "quantize", str(src), "-o", str(tmp_path / "q"), *args]) == 0
+    a = load_file(str(next(src.glob("*.safetensors"))))
+    b = load_file(str(next((tmp_path / "q").glob("*.safetensors"))))
+    norms = [k for k in a if "layers." in k and "norm" in k]
+    assert norms and all(not torch.equal(a[k].to(b[k].dtype), b[k]) for k in norms)
+    assert torch.equal(a["model.norm.weight"].to(b["model.norm.weight"].dtype), b["model.norm.weight"])
+
+
 @pytest.mark.parametrize("extra,words", [
     (["--block-tune", "--method", "rtn"], ["--block-tune starts from GPTQ's codes", "method rtn"]),
     (["--block-tune", "--block-tune-steps", "0"], ["--block-tune-steps must be > 0"]),
@@ -298,7 +343,7 @@ def test_channel_loss_tunes_a_model():
 
 @pytest.mark.parametrize("bad", [dict(optimizer="sgd"), dict(init="rtn"), dict(target="fp"), dict(batch=0),
                                  dict(loss="l1"),
-                                 dict(scale_lr=float("nan"))])
+                                 dict(scale_lr=float("nan")), dict(norm_lr=-1.0)])
 def test_python_api_refuses_bad_settings(bad):
     from layercut.compress.core.errors import LayercutError
 

@@ -167,6 +167,8 @@ class QuantizeConfig(StageConfig, TextOptions):
                                                           "code units, decaying linearly to 0")
     block_tune_scale_lr: float = Field(0.002, ge=0, description="block tuning: Adam step of the relative group-scale "
                                                                 "change (0: scales stay GPTQ's)")
+    block_tune_norm_lr: float = Field(0.0, ge=0, description="block tuning: Adam step of the block's norm weights, "
+                                                             "stored unquantized as before (0: they stay the model's)")
     block_tune_target: Literal["quantized", "float"] = Field(
         "float", description="block tuning: the float block's output on the quantized model's inputs "
                                  "(quantized) or on the float model's own (float)")

@@ -62,7 +62,8 @@ def solver_settings(config: QuantizeConfig, group_size: int | None = None) -> So
         raise LayercutError("quantize: the group size is not resolved yet (build_plan resolves it per model)")
     gptq = config.method == "gptq"
     tune = BlockTune(steps=config.block_tune_steps, batch=config.block_tune_batch, lr=config.block_tune_lr,
-                     scale_lr=config.block_tune_scale_lr, target=config.block_tune_target,
+                     scale_lr=config.block_tune_scale_lr, norm_lr=config.block_tune_norm_lr,
+                     target=config.block_tune_target,
                      loss=config.block_tune_loss, seed=config.seed) if config.block_tune else None
     return SolverConfig(bits=config.bits if config.bits is not None else UNMAPPED_BITS, group_size=gs,
                         sym=config.sym, act_order=config.act_order, static_groups=config.static_groups,

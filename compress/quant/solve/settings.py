@@ -93,6 +93,7 @@ class BlockTune:
     batch: int = 4  # calibration sequences per step, drawn from one micro-batch
     lr: float = 0.003  # step of the rounding offsets, in code units (decays linearly to 0)
     scale_lr: float = 0.002  # Adam's step for the relative scale change
+    norm_lr: float = 0.0  # Adam's step for the block's norm weights (0: they stay the model's)
     target: str = "float"  # "quantized" | "float": whose inputs the float block's target output is computed on
     optimizer: str = "adam"  # "adam" | "sign" (AutoRound's signed steps): the offsets' optimiser
     init: str = "residual"  # "residual" | "zero": where the offsets start
@@ -103,9 +104,10 @@ class BlockTune:
         if self.steps <= 0 or self.batch <= 0:
             raise LayercutError(f"quantize: block tuning steps and batch must be positive, got {self.steps}, "
                                 f"{self.batch}")
-        if not (self.lr > 0 and math.isfinite(self.lr)) or not (self.scale_lr >= 0 and math.isfinite(self.scale_lr)):
+        if not (self.lr > 0 and math.isfinite(self.lr)) or not all(
+                x >= 0 and math.isfinite(x) for x in (self.scale_lr, self.norm_lr)):
             raise LayercutError(f"quantize: block tuning learning rates must be positive, got lr {self.lr}, "
-                                f"scale lr {self.scale_lr}")
+                                f"scale lr {self.scale_lr}, norm lr {self.norm_lr}")
         if self.optimizer not in OPTIMIZERS or self.init not in INITS:
             raise LayercutError(f"quantize: block tuning optimizer must be one of {OPTIMIZERS} and init one of "
                                 f"{INITS}, got {self.optimizer!r}, {self.init!r}")
