@@ -36,7 +36,6 @@ CPU-s per block at 200 iters, so ~40 CPU-min for the default recipe and ~5x that
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -45,9 +44,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-HERE = Path(__file__).resolve().parent
-# benchmarks/kernels.py would shadow the `kernels` package that transformers imports: drop this folder from the path
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 AR_PYTHON = str(ROOT / ".venv-autoround" / "bin" / "python")
 MODEL = "bundled:smollm2-135m"
 CALIB = "bundled:brown-calib"
@@ -138,10 +134,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    spec = importlib.util.spec_from_file_location("_results", HERE / "_results.py")
-    results = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(results)
-    write_merged = results.write_merged
+    from _results import write_merged
 
     out = Path(args.json_out)
     stored = json.loads(out.read_text()) if out.is_file() else {}

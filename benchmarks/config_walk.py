@@ -26,7 +26,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]  # benchmarks/kernels.py
 import torch  # noqa: E402
 import transformers as T  # noqa: E402
 

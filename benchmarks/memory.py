@@ -84,9 +84,6 @@ import sys
 import time
 from pathlib import Path
 
-# this folder holds kernels.py, which would shadow the ``kernels`` package that transformers probes for
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
 # run from a checkout without install
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RESULTS = Path(__file__).resolve().parent / "results"

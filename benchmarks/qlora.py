@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # benchmarks/kernels.py shadows a package
 sys.path.insert(0, str(HERE.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -90,7 +90,7 @@ else
 fi
 
 # ---- benchmark: Triton vs CUDA C vs fp16, Llama-7B and -70B shapes, batch 1/4/16/512, 4-bit g128
-timeout 100 "$PY" benchmarks/kernels.py --out "$OUT/kernels.json" > "$OUT/bench.log" 2>&1
+timeout 100 "$PY" benchmarks/kernel_speed.py --out "$OUT/kernels.json" > "$OUT/bench.log" 2>&1
 rc=$?
 log "benchmark exit $rc$([ $rc = 124 ] && echo ' (TIMEOUT)')"
 grep -E "^(device|block|goal)" "$OUT/bench.log" >> "$OUT/summary.txt"

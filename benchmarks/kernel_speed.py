@@ -2,9 +2,9 @@
 
 Usage::
 
-    python benchmarks/kernels.py                                  # GPU: Llama-7B and -70B shapes, 4-bit
-    python benchmarks/kernels.py --bits 4,3 --out $OUT/kernels.json
-    python benchmarks/kernels.py --dry-run                        # any machine: print the plan, time nothing
+    python benchmarks/kernel_speed.py                                  # GPU: Llama-7B and -70B shapes, 4-bit
+    python benchmarks/kernel_speed.py --bits 4,3 --out $OUT/kernels.json
+    python benchmarks/kernel_speed.py --dry-run                        # any machine: print the plan, time nothing
 
 For every (in, out) projection shape of Llama-7B and Llama-70B, batch 1/4/16 (decode: GEMV,
 split-K) and 512 (prefill), and every bits value (group size 128, static groups), it times
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = dict(
         torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
         triton=_triton_version(),
-        command="python benchmarks/kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        command="python benchmarks/kernel_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     )  # fmt: skip
 
     def save(result: dict) -> None:
