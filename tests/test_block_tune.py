@@ -215,6 +215,29 @@ def test_streamed_equals_whole_model_and_the_report_says_so(tuned_dirs):
     assert "block tuning" in rep["description"]
 
 
+def test_mixed_bits_tune_the_allocated_blocks(tuned_dirs, tmp_path):
+    """``--avg-bits`` with ``--block-tune``: the allocation is chosen on GPTQ's losses (the same as
+    without tuning), then every block of it is tuned; the report says so. Turns red if the mixed
+    path drops the tuning (same codes) or loses its report."""
+    from safetensors.torch import load_file
+
+    from layercut.compress.workflow.cli import main
+
+    src = tuned_dirs[0]
+    args = ["--avg-bits", "3.5", "--samples", "8", "--seq-len", "32", "--no-fallback-check"]
+    assert main(["-q", "quantize", str(src), "-o", str(tmp_path / "plain"), *args]) == 0
+    assert main(["-q", "quantize", str(src), "-o", str(tmp_path / "tuned"), *args, "--block-tune",
+                 "--block-tune-steps", "20"]) == 0
+    rep = {n: json.loads((tmp_path / n / "quantize.json").read_text()) for n in ("plain", "tuned")}
+    assert rep["tuned"]["bits_per_layer"] == rep["plain"]["bits_per_layer"]
+    assert len(set(rep["tuned"]["bits_per_layer"].values())) > 1  # really mixed
+    assert rep["tuned"]["block_tune"]["blocks"] == 3 and rep["tuned"]["block_tune"]["codes_moved"] > 0
+    assert "block tuning" in rep["tuned"]["description"] and "block tuning" not in rep["plain"]["description"]
+    a, b = (load_file(str(next((tmp_path / n).glob("*.safetensors")))) for n in ("plain", "tuned"))
+    assert a.keys() == b.keys()
+    assert any(not torch.equal(a[k], b[k]) for k in a if k.endswith(".qweight"))
+
+
 def test_stock_transformers_and_layercut_load_it_alike(tuned_dirs):
     from transformers import AutoModelForCausalLM
 

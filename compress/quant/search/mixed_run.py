@@ -159,7 +159,8 @@ def quantize_mixed(net, tokenizer, config: QuantizeConfig, plan: QuantPlan, seed
                       unit_group_size={u.name: baseline[1] for u in units},
                       bits_per_layer={"all linears": base_label})
     report["description"] = (
-        f"{config.method.upper()} ({sym}), bits and group size per {config.unit} from {{{labels}}} under a "
+        f"{config.method.upper()}{' + block tuning' if cfg.tune is not None else ''} ({sym}), bits and group size "
+        f"per {config.unit} from {{{labels}}} under a "
         f"{config.avg_bits}-bit budget (sensitivity: {config.sensitivity})"
         + (f", uniform {base_label} written as it won the fallback check," if kept == "uniform" else ",")
     )

@@ -181,6 +181,8 @@ def execute(plan: QuantPlan, net, tokenizer, config: QuantizeConfig, sink: Memor
     if plan.avg_bits is not None:
         mixed_run = quantize_mixed(net, tokenizer, config, plan, config.seed, device, progress, sink.stream)
         report.update(mixed_run.report)
+        if mixed_run.result.tune_reports:
+            report["block_tune"].update(tune_summary(mixed_run.result.tune_reports))
         return Executed(plan.with_pairs(mixed_run.result.configs()), mixed_run.result, report, mixed_run.alloc,
                         json.dumps(strip_volatile(mixed_run.allocation), indent=2) + "\n")
     if calib is None:
