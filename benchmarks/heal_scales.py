@@ -9,6 +9,10 @@ Run::
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal_scales.py --text bundled:brown-val --seeds 0 --bits 3 \\
         --json-out benchmarks/results/heal_scales-block-tune-brown-val.json [--block-tune]
     .venv/bin/python benchmarks/heal_scales.py --from-json benchmarks/results/heal_scales.json
+    # the share of the 3 -> 4-bit gap that block tuning (+ scale tuning) closes, per seed, the gap's ends being
+    # the plain 3- and 4-bit rows of the block-tuning benchmark on the same split, seeds and threads
+    .venv/bin/python benchmarks/heal_scales.py --from-json benchmarks/results/heal_scales-block-tune-brown-test-smollm2.json \
+        --gap-from benchmarks/results/block_tune-brown-test-smollm2.json
 
 Per calibration seed: ``layercut quantize MODEL --bits B --group-size G`` (``--model``, default the bundled
 SmolLM2-135M, G 64; ``--model PATH/gemma-3-270m-q4_k_m.gguf --group-size 128`` writes
@@ -99,21 +103,40 @@ def run(args) -> dict:
     return data
 
 
-def table(data: dict) -> str:
+def gap_anchors(path: str, model: str) -> dict[int, tuple[float, float]]:
+    """Per calibration seed, (plain 3-bit KL, plain 4-bit KL) of ``model`` from a ``benchmarks/block_tune.py``
+    JSON (rows ``MODEL/BITS/none/seedS``): the ends of the 3 -> 4-bit gap."""
+    runs = json.loads(Path(path).read_text())["runs"]
+    out = {}
+    for key, row in runs.items():
+        name, bits, config, seed = key.split("/")
+        other = runs.get(f"{name}/4/none/{seed}")
+        if name == model and bits == "3" and config == "none" and other:
+            out[int(seed.removeprefix("seed"))] = (row["kl"], other["kl"])
+    return out
+
+
+def table(data: dict, anchors: dict[int, tuple[float, float]] | None = None) -> str:
+    """The rows, mean (min-max) over seeds; with ``anchors`` (:func:`gap_anchors`) the 3-bit rows also get
+    the share of each seed's (plain 3-bit -> plain 4-bit) KL gap they close."""
     groups: dict[str, dict[int, dict]] = {}
     for key, row in data["runs"].items():
         name, seed = key.rsplit("/seed", 1)
         groups.setdefault(name, {})[int(seed)] = row
     lines = [f"text {data['setup'].get('text')}; KL to the original, mean (min-max) over seeds", "",
-             "| checkpoint | seeds | MB | KL | Δ log-ppl vs plain (paired) | heal s |", "|---|---|---:|---:|---:|---:|"]
+             "| checkpoint | seeds | MB | KL | Δ log-ppl vs plain (paired) | 3→4-bit gap closed | heal s |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for name, rows in groups.items():
         seeds = sorted(rows)
         kls = [rows[s]["kl"] for s in seeds]
         plain = groups.get(name.split("+")[0], {})
         dl = [math.log(rows[s]["ppl"]) - math.log(plain[s]["ppl"]) for s in seeds if s in plain]
         kl = f"{statistics.fmean(kls):.4f} ({min(kls):.4f}–{max(kls):.4f})"
+        gaps = [100 * (anchors[s][0] - rows[s]["kl"]) / (anchors[s][0] - anchors[s][1])
+                for s in seeds if anchors and s in anchors] if name.startswith("gptq-3") else []
+        gap = f"{statistics.fmean(gaps):.1f}% ({min(gaps):.1f}–{max(gaps):.1f})" if gaps else ""
         lines.append(f"| {name} | {','.join(map(str, seeds))} | {rows[seeds[0]]['bytes'] / 1e6:.1f} | {kl} | "
-                     f"{statistics.fmean(dl):+.4f} | {statistics.fmean(rows[s]['seconds'] for s in seeds):.0f} |")
+                     f"{statistics.fmean(dl):+.4f} | {gap} | {statistics.fmean(rows[s]['seconds'] for s in seeds):.0f} |")
     return "\n".join(lines)
 
 
@@ -132,15 +155,26 @@ def main() -> None:
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma list of STEPSxBATCH@LR (default %(default)s)")
     ap.add_argument("--json-out")
     ap.add_argument("--from-json")
+    ap.add_argument("--gap-from", metavar="FILE[:MODEL]",
+                    help="a benchmarks/block_tune.py JSON (and its model name there, smollm2 or gemma3; default: "
+                         "gemma3 for a gemma GGUF, else smollm2): its plain 3- and 4-bit rows give, per seed, "
+                         "the 3 -> 4-bit gap that the table's 3-bit rows close")
     args = ap.parse_args()
+    anchors = None
+    if args.gap_from:
+        path, _, name = args.gap_from.partition(":")
+        anchors = gap_anchors(path, name or ("gemma3" if "gemma" in args.model else "smollm2"))
     if args.from_json:
-        print(table(json.loads(Path(args.from_json).read_text())))
+        data = json.loads(Path(args.from_json).read_text())
+        if args.gap_from and not args.gap_from.partition(":")[2] and "gemma" in str(data["setup"].get("model")):
+            anchors = gap_anchors(args.gap_from, "gemma3")
+        print(table(data, anchors))
         return
     suffix = "" if args.text == "bundled:brown-test" else "-" + args.text.split(":")[-1]
     if args.model != MODEL:
         suffix = "-" + Path(args.model).name.split("-q4")[0].removesuffix(".gguf") + suffix
     args.json_out = args.json_out or str(ROOT / "benchmarks" / "results" / f"heal_scales{suffix}.json")
-    print(table(run(args)))
+    print(table(run(args), anchors))
 
 
 if __name__ == "__main__":

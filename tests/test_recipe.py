@@ -253,6 +253,12 @@ def test_bundled_recipes_validate():
     plain = load_recipe(recipes[0].with_name("smollm2-4bit.yaml"))
     assert [s.stage for s in plain.stages] == ["quantize", "export", "eval"] and plain.stages[0] == demo.stages[0]
     assert plain.stages[-1] == demo.stages[-1]
+    # below 4 bits: the demo's heal and eval on a block-tuned 3-bit quantize at the demo's group size
+    three = load_recipe(recipes[0].with_name("smollm2-3bit.yaml"))
+    assert [s.stage for s in three.stages] == ["quantize", "heal", "export", "eval"]
+    q3 = three.stages[0]
+    assert q3.bits == 3 and q3.block_tune and q3.group_size == demo.stages[0].group_size
+    assert three.stages[1] == demo.stages[1] and three.stages[-1] == demo.stages[-1]
     former = load_recipe(recipes[0].with_name("smollm2-prune-heal.yaml"))
     assert [s.stage for s in former.stages] == ["prune", "heal", "quantize", "export", "eval"]
     assert former.stages[0].replace == "lstsq" and former.stages[0].drop >= 2 and former.stages[2].group_size != 32
