@@ -106,13 +106,19 @@ def run(args) -> dict:
 def gap_anchors(path: str, model: str) -> dict[int, tuple[float, float]]:
     """Per calibration seed, (plain 3-bit KL, plain 4-bit KL) of ``model`` from a ``benchmarks/block_tune.py``
     JSON (rows ``MODEL/BITS/none/seedS``): the ends of the 3 -> 4-bit gap."""
-    runs = json.loads(Path(path).read_text())["runs"]
+    try:
+        runs = json.loads(Path(path).read_text())["runs"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"--gap-from: {path} is not a benchmarks/block_tune.py JSON ({e})") from None
     out = {}
     for key, row in runs.items():
-        name, bits, config, seed = key.split("/")
+        name, bits, rest = key.split("/", 2)  # a config may itself hold '/' (lr/scale lr/norm lr)
+        config, seed = rest.rsplit("/", 1)
         other = runs.get(f"{name}/4/none/{seed}")
         if name == model and bits == "3" and config == "none" and other:
             out[int(seed.removeprefix("seed"))] = (row["kl"], other["kl"])
+    if not out:
+        raise SystemExit(f"--gap-from: {path} has no plain 3- and 4-bit rows of the same seed for {model!r}")
     return out
 
 
@@ -160,14 +166,13 @@ def main() -> None:
                          "gemma3 for a gemma GGUF, else smollm2): its plain 3- and 4-bit rows give, per seed, "
                          "the 3 -> 4-bit gap that the table's 3-bit rows close")
     args = ap.parse_args()
+    data = json.loads(Path(args.from_json).read_text()) if args.from_json else None
     anchors = None
-    if args.gap_from:
+    if args.gap_from:  # checked before any run starts
         path, _, name = args.gap_from.partition(":")
-        anchors = gap_anchors(path, name or ("gemma3" if "gemma" in args.model else "smollm2"))
-    if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        if args.gap_from and not args.gap_from.partition(":")[2] and "gemma" in str(data["setup"].get("model")):
-            anchors = gap_anchors(args.gap_from, "gemma3")
+        model = str(data["setup"].get("model")) if data else args.model
+        anchors = gap_anchors(path, name or ("gemma3" if "gemma" in model else "smollm2"))
+    if data:
         print(table(data, anchors))
         return
     suffix = "" if args.text == "bundled:brown-test" else "-" + args.text.split(":")[-1]
