@@ -8,13 +8,18 @@ Run (from the repository root; AutoRound lives in its own venv so layercut's sta
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/autoround_anchor.py --configs smoke
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/autoround_anchor.py --configs default
     .venv/bin/python benchmarks/autoround_anchor.py --from-json benchmarks/results/autoround_anchor-brown-val.json
+    # gemma-3-270m (its GGUF, see benchmarks/block_tune.py), 3-bit g128, on the test split
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/autoround_anchor.py \
+        --model ~/.cache/layercut-dev/gemma-3-270m-q4_k_m.gguf --group-size 128 --text bundled:brown-test \
+        --json-out benchmarks/results/autoround_anchor-brown-test.json
 
 What it does, per config (``NAME`` = ``ITERS[@LR][xNSAMPLES]``, or a preset in ``PRESETS``):
 
 1. In this (layercut) venv: dump layercut's calibration token ids,
    ``calibration_batch(tok, "bundled:brown-calib", samples=64, seq_len=128, seed=SEED)`` (the
    block_tune benchmark's 64 x 128), to a ``.pt`` file, and resolve ``bundled:smollm2-135m`` to its
-   float32 HF folder (``resolve_model``: the GGUF converted once under ``$LAYERCUT_CACHE/models``).
+   float32 HF folder (``resolve_model``: the GGUF converted once under ``$LAYERCUT_CACHE/models``);
+   ``--model`` names another (a ``.gguf``: rows ``gemma3/...`` when its name says gemma).
 2. In ``--ar-python`` (the AutoRound venv): this same file with ``--worker`` builds
    ``AutoRound(model_dir, scheme=W3A16-like dict(bits, group_size, sym), dataset=[{"input_ids",
    "attention_mask"}, ...], nsamples, seqlen, iters, lr, batch_size, device_map="cpu")`` and calls
@@ -98,17 +103,17 @@ def _auto_lr(iters: int, bits: int) -> float:
     return 2.0 / iters if iters >= 1000 and bits <= 3 else 1.0 / iters
 
 
-def dump_calibration(path: Path, samples: int, seq_len: int, seed: int) -> str:
-    """Write layercut's calibration ids to ``path``; return the float HF folder of the model."""
+def dump_calibration(path: Path, samples: int, seq_len: int, seed: int, model: str = MODEL) -> str:
+    """Write layercut's calibration ids to ``path``; return the float HF folder of ``model``."""
     import torch
 
     from layercut.calibrate.data import calibration_batch
     from layercut.compress.io.models import load_tokenizer, resolve_model
 
-    tok = load_tokenizer(MODEL)
+    tok = load_tokenizer(model)
     calib = calibration_batch(tok, CALIB, samples=samples, seq_len=seq_len, seed=seed)
     torch.save({"input_ids": calib.input_ids, "attention_mask": calib.attention_mask}, path)
-    return str(resolve_model(MODEL))
+    return str(resolve_model(model))
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -141,7 +146,7 @@ def run(args: argparse.Namespace) -> dict:
     rows: dict = stored.get("runs", {})
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     sym = "sym" if args.sym else "asym"
-    setup = {"model": MODEL, "text": args.text, "calib": f"{args.samples} x {args.seq_len} {CALIB} seed {args.seed} "
+    setup = {"model": args.model, "text": args.text, "calib": f"{args.samples} x {args.seq_len} {CALIB} seed {args.seed} "
              "(layercut's ids, fed to AutoRound as tensors)", "eval": "4096 tokens, ctx 512, KL to the original",
              "bits": args.bits, "group_size": args.group_size, "sym": args.sym, "format": "auto_gptq",
              "batch_size": args.batch_size, "threads": os.environ.get("OMP_NUM_THREADS", "default"),
@@ -149,10 +154,11 @@ def run(args: argparse.Namespace) -> dict:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ar-anchor-"))
     work.mkdir(parents=True, exist_ok=True)
     calib = work / f"calib-{args.samples}x{args.seq_len}-seed{args.seed}.pt"
-    model_dir = dump_calibration(calib, args.samples, args.seq_len, args.seed)
+    model_dir = dump_calibration(calib, args.samples, args.seq_len, args.seed, args.model)
+    mname = "gemma3" if "gemma" in args.model.lower() else "smollm2"
     for c in [c for c in args.configs.split(",") if c]:
         cfg = parse_config(c)
-        key = f"smollm2/{args.bits}/g{args.group_size}/{sym}/{c}/seed{args.seed}"
+        key = f"{mname}/{args.bits}/g{args.group_size}/{sym}/{c}/seed{args.seed}"
         row = rows.get(key, {})
         if "kl" in row and not args.rerun:
             continue
@@ -180,7 +186,7 @@ def run(args: argparse.Namespace) -> dict:
             info["torch_compile"] = "`torch.compile` is enabled" in log_path.read_text()
         cfg["lr_used"] = cfg["lr"] if cfg["lr"] is not None else _auto_lr(cfg["iters"], args.bits)
         info["quantization_config"] = json.loads((ckpt / "config.json").read_text()).get("quantization_config")
-        ev_cmd = [sys.executable, "-m", "layercut.cli", "-q", "eval", str(ckpt), "--reference", MODEL, "--text",
+        ev_cmd = [sys.executable, "-m", "layercut.cli", "-q", "eval", str(ckpt), "--reference", args.model, "--text",
                   args.text, "--max-tokens", "4096", "--ctx", "512", "--json"]
         erc, ecost = _spawn(ev_cmd, env, work / f"{q.name}.eval.log")
         elog = (work / f"{q.name}.eval.log").read_text()
@@ -221,6 +227,7 @@ def table(data: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", action="store_true", help="internal: run AutoRound (in the AutoRound venv)")
+    ap.add_argument("--model", default=MODEL, help="bundled:NAME or a .gguf (gemma-3-270m: rows named gemma3/...)")
     ap.add_argument("--model-dir")
     ap.add_argument("--calib")
     ap.add_argument("--out")

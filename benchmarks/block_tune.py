@@ -123,8 +123,8 @@ def run(args) -> dict:
                                      "bytes": ev["bytes"], **cost, **({"block_tune": rep["block_tune"]}
                                                                       if "block_tune" in rep else {})}
                         print(f"{key}: KL {ev['kl']:.4f} ppl {ev['ppl']:.2f} {cost}", flush=True)
-                        write_merged(out, {"setup": setup, "runs": rows})
-    return write_merged(out, {"setup": setup, "runs": rows})
+                        write_merged(out, {"setup": setup, "runs": rows}, rows="runs")
+    return write_merged(out, {"setup": setup, "runs": rows}, rows="runs")
 
 
 def table(data: dict) -> str:

@@ -38,6 +38,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import write_merged  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "bundled:smollm2-135m"
 DEFAULT_CONFIGS = "60x4@1e-3"
@@ -96,11 +99,9 @@ def run(args) -> dict:
                 data["runs"][f"{base}+scales-{c}/seed{seed}"] = row
                 print(f"  {c}: KL {row['kl']:.4f} ({100 * (row['kl'] / plain['kl'] - 1):+.1f}%), "
                       f"{row['bytes'] / 1e6:.1f} MB, heal {hs:.0f} s", flush=True)
-                tmp_json = out.with_suffix(".tmp")
-                tmp_json.write_text(json.dumps(data, indent=1) + "\n")
-                tmp_json.replace(out)
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    return data
+                write_merged(out, data, rows="runs")
+            write_merged(out, data, rows="runs")
+    return write_merged(out, data, rows="runs")
 
 
 def gap_anchors(path: str, model: str) -> dict[int, tuple[float, float]]:
