@@ -131,7 +131,7 @@ def table(data: dict, anchors: dict[int, tuple[float, float]] | None = None) -> 
         name, seed = key.rsplit("/seed", 1)
         groups.setdefault(name, {})[int(seed)] = row
     lines = [f"text {data['setup'].get('text')}; KL to the original, mean (min-max) over seeds", "",
-             "| checkpoint | seeds | MB | KL | Δ log-ppl vs plain (paired) | 3→4-bit gap closed | heal s |",
+             "| checkpoint | seeds | MB | KL | Δ log-ppl vs plain (paired) | 3→4-bit gap closed | s (quantize; +scales rows: heal) |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for name, rows in groups.items():
         seeds = sorted(rows)
