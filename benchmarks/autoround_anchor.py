@@ -154,7 +154,12 @@ def run(args: argparse.Namespace) -> dict:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ar-anchor-"))
     work.mkdir(parents=True, exist_ok=True)
     calib = work / f"calib-{args.samples}x{args.seq_len}-seed{args.seed}.pt"
-    model_dir = dump_calibration(calib, args.samples, args.seq_len, args.seed, args.model)
+    from layercut.compress.core.errors import LayercutError
+
+    try:
+        model_dir = dump_calibration(calib, args.samples, args.seq_len, args.seed, args.model)
+    except LayercutError as e:  # a wrong --model: one line, before anything is written
+        raise SystemExit(f"autoround_anchor: {e}") from None
     mname = "gemma3" if "gemma" in args.model.lower() else "smollm2"
     for c in [c for c in args.configs.split(",") if c]:
         cfg = parse_config(c)

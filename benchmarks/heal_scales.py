@@ -87,6 +87,7 @@ def run(args) -> dict:
                              "--samples", str(args.samples), "--seq-len", "128", "--seed", str(seed)])
             plain = _eval(q, args.text, args.model) | {"seconds": round(qs, 1)}
             data["runs"][f"{base}/seed{seed}"] = plain
+            write_merged(out, data, rows="runs")
             print(f"seed {seed}: plain {base} KL {plain['kl']:.4f}, {plain['bytes'] / 1e6:.1f} MB", flush=True)
             for c in args.configs.split(","):
                 steps, batch, lr = parse_config(c)
@@ -100,7 +101,6 @@ def run(args) -> dict:
                 print(f"  {c}: KL {row['kl']:.4f} ({100 * (row['kl'] / plain['kl'] - 1):+.1f}%), "
                       f"{row['bytes'] / 1e6:.1f} MB, heal {hs:.0f} s", flush=True)
                 write_merged(out, data, rows="runs")
-            write_merged(out, data, rows="runs")
     return write_merged(out, data, rows="runs")
 
 
