@@ -67,9 +67,12 @@ stream the rest:
   16 blocks): the streamed peak follows the largest block and the embedding, not the depth, so
   its uniform ``quantize`` row beside it shows how the two compare.
 - ``quantize-blocktune`` (only with ``--stages``): ``quantize --bits 4 --block-tune`` with 10 tuning steps
-  per block (the peak is reached at the first step; the default is 100), measured on ``llama3-3b-2blocks``
+  per block (``--blocktune-steps``; from the second step on, each step holds the same tensors as the one
+  before: the optimizer's state, made by the first, beside the second's activations and gradients;
+  the quantize default is 100), measured on ``llama3-3b-2blocks``
   (the 3B's shapes and embedding, 2 of its 28 blocks) beside that probe's plain ``quantize`` row, and
-  read against the full 3B's target (0.5 x its bf16 bytes + 1 GiB).
+  on the full ``llama3-3b`` with 2 steps a block (28 blocks x 10 steps would take hours here), read
+  against its target (0.5 x its bf16 bytes + 1 GiB).
 """
 
 from __future__ import annotations
@@ -181,7 +184,8 @@ def write_random_llama(folder: Path, shape: dict, tokenizer) -> None:
         os.replace(tmp, folder)
 
 
-def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -> dict:
+def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int,
+          blocktune_steps: int = BLOCKTUNE_STEPS) -> dict:
     import torch
 
     from layercut.compress.io.models import weight_bytes
@@ -240,14 +244,14 @@ def child(name: str, stage: str, eval_tokens: int, samples: int, seq_len: int) -
         group = group_size(name)
         bits = dict(avg_bits=3.5, sensitivity_samples=2) if stage == "quantize-mixed" else dict(bits=4)
         if stage == "quantize-blocktune":
-            bits.update(block_tune=True, block_tune_steps=BLOCKTUNE_STEPS)
+            bits.update(block_tune=True, block_tune_steps=blocktune_steps)
         cfg = QuantizeConfig(**bits, group_size=group, samples=samples, seq_len=seq_len, batch_size=4,
                              whole_model=bool(os.environ.get("LAYERCUT_BENCH_WHOLE")))
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             report = run_quantize(cfg, str(path), Path(tmp) / "out", env=RunEnv(progress=False))
         out.update(avg_bits=report["avg_bits"], group_size=group, tokens=samples * seq_len)
         if stage == "quantize-blocktune":
-            out.update(block_tune_steps=BLOCKTUNE_STEPS)
+            out.update(block_tune_steps=blocktune_steps)
         if stage == "quantize-mixed":
             out.update(written=report["written"], solve_dtype=report["solve_dtype"])
         else:
@@ -367,6 +371,8 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=1024, help="evaluation tokens (ctx 512)")
     ap.add_argument("--samples", type=int, default=4, help="score: calibration sequences")
     ap.add_argument("--seq-len", type=int, default=256, help="score: calibration sequence length")
+    ap.add_argument("--blocktune-steps", type=int, default=BLOCKTUNE_STEPS,
+                    help="quantize-blocktune: tuning steps a block (default %(default)s)")
     ap.add_argument("--json-out", default=str(RESULTS / "memory.json"))
     ap.add_argument("--from-json", action="store_true", help="print the stored table only")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "STAGE"), help=argparse.SUPPRESS)
@@ -386,7 +392,7 @@ def main() -> None:
         print(quantized_dir(args.prepare_quantized))
         return
     if args.child:
-        print(json.dumps(child(*args.child, args.eval_tokens, args.samples, args.seq_len)))
+        print(json.dumps(child(*args.child, args.eval_tokens, args.samples, args.seq_len, args.blocktune_steps)))
         return
     out_path = Path(args.json_out)
     if args.timing:
@@ -408,16 +414,17 @@ def main() -> None:
             if stage == "eval-quantized-whole" and name == "llama3-3b":
                 continue  # both models whole in float32: 13 GB of reference alone
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            steps = ["--blocktune-steps", str(args.blocktune_steps)] if stage == "quantize-blocktune" else []
             proc = subprocess.run([sys.executable, __file__, "--child", name, stage,
                                    "--eval-tokens", str(args.eval_tokens), "--samples", str(args.samples),
-                                   "--seq-len", str(args.seq_len)], capture_output=True, text=True, env=env)
+                                   "--seq-len", str(args.seq_len), *steps], capture_output=True, text=True, env=env)
             if proc.returncode != 0:
                 print(proc.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"{name} {stage} failed")
             rows[(name, stage)] = {**json.loads(proc.stdout.strip().splitlines()[-1]),
                                    "command": f"python benchmarks/memory.py --models {name} --stages {stage}"
                                               f" --eval-tokens {args.eval_tokens} --samples {args.samples}"
-                                              f" --seq-len {args.seq_len}"}
+                                              f" --seq-len {args.seq_len}" + (" " + " ".join(steps) if steps else "")}
             print(table([rows[(name, stage)]]).splitlines()[-1], flush=True)
             # merge, never drop: keys this run does not produce (``timing``, rows of other models or
             # stages) stay as stored
