@@ -8,6 +8,9 @@ Run::
     # scale tuning on top of block-wise reconstruction (quantize --block-tune), against it on plain GPTQ
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal_scales.py --text bundled:brown-val --seeds 0 --bits 3 \\
         --json-out benchmarks/results/heal_scales-block-tune-brown-val.json [--block-tune]
+    # ... with block tuning at another step size (rows gptq-3-blocktuned-lr0.01[-Nx128])
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal_scales.py --text bundled:brown-val --seeds 0 --bits 3 \
+        --samples 256 --block-tune --block-tune-lr 0.01 --json-out benchmarks/results/heal_scales-block-tune-brown-val-256x128.json
     .venv/bin/python benchmarks/heal_scales.py --from-json benchmarks/results/heal_scales.json
     # the share of the 3 -> 4-bit gap that block tuning (+ scale tuning) closes, per seed, the gap's ends being
     # the plain 3- and 4-bit rows of the block-tuning benchmark on the same split, seeds and threads
@@ -79,6 +82,9 @@ def run(args) -> dict:
         if args.block_tune:
             quant.append("--block-tune")
             base += "-blocktuned"
+            if args.block_tune_lr is not None:
+                quant += ["--block-tune-lr", str(args.block_tune_lr)]
+                base += f"-lr{args.block_tune_lr:g}"
         if args.samples != 64:
             base += f"-{args.samples}x128"
         for seed in [int(s) for s in args.seeds.split(",")]:
@@ -158,6 +164,8 @@ def main() -> None:
                                                     "size 64 for its bare widths) instead of --bits")
     ap.add_argument("--block-tune", action="store_true", help="quantize with --block-tune (its defaults): rows "
                                                                    "gptq-B-blocktuned[+scales-...]")
+    ap.add_argument("--block-tune-lr", type=float, help="with --block-tune: its --block-tune-lr (rows ...-blocktuned-lrX; "
+                                                        "default: the quantize default, no suffix)")
     ap.add_argument("--samples", type=int, default=64, help="calibration sequences of 128 tokens (default 64)")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma list of STEPSxBATCH@LR (default %(default)s)")
     ap.add_argument("--json-out")
@@ -167,6 +175,8 @@ def main() -> None:
                          "gemma3 for a gemma GGUF, else smollm2): its plain 3- and 4-bit rows give, per seed, "
                          "the 3 -> 4-bit gap that the table's 3-bit rows close")
     args = ap.parse_args()
+    if args.block_tune_lr is not None and (not args.block_tune or args.block_tune_lr <= 0):
+        ap.error("--block-tune-lr needs --block-tune and a positive value")
     data = json.loads(Path(args.from_json).read_text()) if args.from_json else None
     anchors = None
     if args.gap_from:  # checked before any run starts
