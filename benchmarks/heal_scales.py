@@ -9,12 +9,12 @@ Run::
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal_scales.py --text bundled:brown-val --seeds 0 --bits 3 \\
         --json-out benchmarks/results/heal_scales-block-tune-brown-val.json [--block-tune]
     # ... with block tuning at another step size (rows gptq-3-blocktuned-lr0.01[-Nx128])
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal_scales.py --text bundled:brown-val --seeds 0 --bits 3 \
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/heal_scales.py --text bundled:brown-val --seeds 0 --bits 3 \\
         --samples 256 --block-tune --block-tune-lr 0.01 --json-out benchmarks/results/heal_scales-block-tune-brown-val-256x128.json
     .venv/bin/python benchmarks/heal_scales.py --from-json benchmarks/results/heal_scales.json
     # the share of the 3 -> 4-bit gap that block tuning (+ scale tuning) closes, per seed, the gap's ends being
     # the plain 3- and 4-bit rows of the block-tuning benchmark on the same split, seeds and threads
-    .venv/bin/python benchmarks/heal_scales.py --from-json benchmarks/results/heal_scales-block-tune-brown-test-smollm2.json \
+    .venv/bin/python benchmarks/heal_scales.py --from-json benchmarks/results/heal_scales-block-tune-brown-test-smollm2.json \\
         --gap-from benchmarks/results/block_tune-brown-test-smollm2.json
 
 Per calibration seed: ``layercut quantize MODEL --bits B --group-size G`` (``--model``, default the bundled

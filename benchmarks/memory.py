@@ -382,6 +382,8 @@ def main() -> None:
                     help="wall time streamed vs whole model on SmolLM2 (fp32), alternating, --repeats each")
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
+    if args.blocktune_steps < 1:
+        ap.error("--blocktune-steps must be at least 1")
     if args.prepare:  # conversion / random-checkpoint writing stays out of the stage's own peak
         print(model_dir(args.prepare))
         return
