@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -212,6 +213,10 @@ def test_streamed_equals_whole_model_and_the_report_says_so(tuned_dirs):
     rep = json.loads((streamed / "quantize.json").read_text())
     assert rep["block_tune"]["steps"] == 20 and rep["block_tune"]["blocks"] == 3
     assert 0 < rep["block_tune"]["loss_ratio"] < 1 and rep["block_tune"]["codes_moved"] > 0
+    per_block = rep["block_tune"]["block_ratios"]
+    assert len(per_block) == 3 and all(0 < x <= 1 for x in per_block)
+    geo = math.exp(sum(math.log(x) for x in per_block) / 3)
+    assert geo == pytest.approx(rep["block_tune"]["loss_ratio"], rel=1e-3)
     assert "block tuning" in rep["description"]
 
 

@@ -223,12 +223,15 @@ def checkpoint_files(executed: Executed) -> dict[str, str]:
 
 def tune_summary(reports: dict) -> dict:
     """What block tuning did, over all blocks: how many kept their tuned result, the block-output
-    loss of what was kept / GPTQ's (geometric mean of the per-block ratios), and the share of codes moved."""
-    rs = list(reports.values())
-    ratios = [min(r.loss_tuned, r.loss_gptq) / r.loss_gptq for r in rs if r.loss_gptq > 0]
+    loss of what was kept / GPTQ's (geometric mean of the per-block ratios), the share of codes moved,
+    and per block (in block order) that ratio (``block_ratios``; 1.0 where GPTQ's loss was 0)."""
+    rs = [reports[k] for k in sorted(reports)]
+    per_block = [min(r.loss_tuned, r.loss_gptq) / r.loss_gptq if r.loss_gptq > 0 else 1.0 for r in rs]
+    ratios = [x for x, r in zip(per_block, rs) if r.loss_gptq > 0]
     return {"blocks_kept": sum(r.kept for r in rs), "blocks": len(rs),
             "loss_ratio": math.exp(sum(math.log(max(x, 1e-12)) for x in ratios) / max(1, len(ratios))),
-            "codes_moved": sum(r.codes_changed for r in rs) / max(1, len(rs))}
+            "codes_moved": sum(r.codes_changed for r in rs) / max(1, len(rs)),
+            "block_ratios": [round(x, 4) for x in per_block]}
 
 
 # ------------------------------------------------------------------ entry points
