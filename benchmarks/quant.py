@@ -78,7 +78,8 @@ THREADS = os.environ.get("LAYERCUT_BENCH_THREADS", "1")
 
 from layercut.calibrate import DEFAULT_CALIB_TEXT, DEFAULT_EVAL_TEXT  # noqa: E402
 
-MODEL = "bundled:smollm2-135m"
+DEFAULT_MODEL = "bundled:smollm2-135m"
+MODEL = DEFAULT_MODEL  # --model / --group-size change both (use_model)
 GS = 64
 BUDGET_3BIT = 3 + (16 + 3) / GS  # uniform 3-bit g64, overhead included
 DRIVER = "driver pass (block forwards + Hessians + solves)"  # layercut's phases_s key
@@ -247,6 +248,19 @@ class CachedReference:
 
 def _ref_file(args, work: Path) -> Path:
     return work / f"ref_logits-{_slug(args.text)}-{args.max_tokens}.safetensors"
+
+
+def use_model(model: str, group_size: int) -> None:
+    """Point every row at ``model`` (bundled:NAME or a path; a .gguf is converted once by
+    ``resolve_model``) with group size ``group_size``: the module globals the children read."""
+    global MODEL, GS
+    MODEL, GS = model, group_size
+
+
+def model_tag() -> str:
+    """'' for the default model and group size, else a tag that keeps another model's cached
+    reference logits and checkpoints apart from the default's in the same work folder."""
+    return "" if (MODEL, GS) == (DEFAULT_MODEL, 64) else f"-{_slug(Path(MODEL).stem)}-g{GS}"
 
 
 def _evaluate(model, tok, args, work: Path) -> dict:
@@ -802,15 +816,22 @@ before the bug was introduced.
 def write_md(data: dict, path: Path) -> None:
     s = data["setup"]
     runs = data.get("runs", {})
+    other = (s.get("model", DEFAULT_MODEL), s["group_size"]) != (DEFAULT_MODEL, 64)
     wanted = TEST_ROWS if s["text"] == DEFAULT_EVAL_TEXT else VAL_ROWS
+    if other:  # another model runs the rows it was asked for (--only): those stored are the wanted ones
+        wanted = [n for n in ROWS if any(k.rsplit("/", 1)[0] == n for k in runs)]
     missing = [n for n in wanted if not any(k.rsplit("/", 1)[0] == n for k in runs)]
     missing += [f"{n} seed {seed}" for n in wanted if n not in missing and ROWS[n].get("seeds")
                 for seed in s["seeds"] if run_key(n, seed) not in runs]
     role = ("the test split: results are reported here and nothing is chosen on it"
             if s["text"] == DEFAULT_EVAL_TEXT else "a split for choosing defaults, not for reporting")
     flags = "" if s["text"] == DEFAULT_EVAL_TEXT else f" --text {s['text']}"
+    if other:
+        flags += (f" --model {s['model']} --group-size {s['group_size']} --only {','.join(wanted)}"
+                  " --json-out JSON --md-out MD")
     text = [
-        f"# Quantization results: SmolLM2-135M, group size 64, on `{s['text']}`",
+        f"# Quantization results: {'SmolLM2-135M' if not other else Path(s['model']).name}, group size "
+        f"{s['group_size']}, on `{s['text']}`",
         "",
         "Reproduce (2-core shared CPU; see the script's docstring for what each column means):",
         "",
@@ -889,6 +910,10 @@ def main() -> None:
                     help="a second validation split carved out of the calibration files: evaluate on brown-calib's "
                          f"files i %% {VAL2_EVERY} == {VAL2_AT} (in file-id order, 50 of 400, every genre) and calibrate on the "
                          "other 350 (both written as .jsonl under the temp dir); overrides --text and --calib")
+    ap.add_argument("--model", default=DEFAULT_MODEL,
+                    help="bundled:NAME or a model path (a .gguf is converted once); default %(default)s. Another "
+                         "model needs its own --json-out and --md-out and runs the uniform-bits rows only")
+    ap.add_argument("--group-size", type=int, default=64, help="group size of every row (default %(default)s)")
     ap.add_argument("--damp", type=float, default=0.01, help="damping for every matched row (default %(default)s)")
     ap.add_argument("--seeds", default="0,1,2", help="calibration seeds for the rows marked 'seeds'")
     ap.add_argument("--run-seeds", help="run only these of --seeds now (e.g. 0 first for every row, the "
@@ -906,6 +931,9 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    use_model(args.model, args.group_size)
+    if model_tag() and not args.child and not args.from_json and not (args.json_out and args.md_out):
+        sys.exit("--model/--group-size other than the default: give --json-out and --md-out of their own")
     if args.second_val:
         args.text, args.calib = second_val_split()
     json_default, md_default = default_outputs(args.text)
@@ -940,12 +968,17 @@ def main() -> None:
     if data.get("setup") and data["setup"] != setup:
         sys.exit(f"{out} was made with {data['setup']}; pass --restart to start afresh, or --json-out elsewhere")
     data = {"setup": setup, "runs": data.get("runs", {})}
-    work = Path(args.work or Path(tempfile.gettempdir()) / "layercut-quant-bench")
+    work = Path(args.work or Path(tempfile.gettempdir()) / f"layercut-quant-bench{model_tag()}")
     work.mkdir(parents=True, exist_ok=True)
     names = args.only.split(",") if args.only else (TEST_ROWS if args.text == DEFAULT_EVAL_TEXT else VAL_ROWS)
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         sys.exit(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    if model_tag():
+        odd = [n for n in names if ROWS[n]["kind"] == "sensitivity" or ROWS[n].get("avg_bits")]
+        if odd:
+            sys.exit(f"rows {odd} are made for SmolLM2 at group 64 (their budgets and proxies); --model runs "
+                     "the uniform-bits rows only")
     if "fp32" not in names and not _ref_file(args, work).is_file():
         names = ["fp32", *names]
     for name in names:
@@ -959,7 +992,8 @@ def main() -> None:
             env = dict(os.environ, OMP_NUM_THREADS=THREADS, MKL_NUM_THREADS=THREADS)
             cmd = [sys.executable, __file__, "--child", name, "--seed", str(seed), "--work", str(work),
                    "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--max-tokens", str(args.max_tokens),
-                   "--text", args.text, "--calib", args.calib, "--damp", str(args.damp), "--json-out", str(out)]
+                   "--text", args.text, "--calib", args.calib, "--damp", str(args.damp), "--json-out", str(out),
+                   "--model", MODEL, "--group-size", str(GS)]
             print(f"== {key}", flush=True)
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
