@@ -259,6 +259,7 @@ def test_bundled_recipes_validate():
     q3 = three.stages[0]
     assert q3.bits == 3 and q3.block_tune and q3.group_size == demo.stages[0].group_size
     assert q3.samples == 256 and q3.seq_len == 128  # the calibration its header's figures were measured at
+    assert q3.block_tune_lr == 0.01  # ... and the step size
     assert three.stages[1] == demo.stages[1] and three.stages[-1] == demo.stages[-1]
     former = load_recipe(recipes[0].with_name("smollm2-prune-heal.yaml"))
     assert [s.stage for s in former.stages] == ["prune", "heal", "quantize", "export", "eval"]
